@@ -1,0 +1,27 @@
+"""Errors a user can act on: each renders as one line that says what to do."""
+
+from __future__ import annotations
+
+
+class MillpondError(RuntimeError):
+    """A failure with a one-line, actionable message (no stack trace for the user)."""
+
+
+class StoreUnreachable(MillpondError):
+    pass
+
+
+class BadCredentials(MillpondError):
+    pass
+
+
+class BucketMissing(MillpondError):
+    pass
+
+
+class PrerequisiteMissing(MillpondError):
+    pass
+
+
+class LeaseLost(MillpondError):
+    """Another run of the same pipeline owns the lease: this one must not commit."""

@@ -1,0 +1,217 @@
+"""The one module that touches Delta tables (through delta-rs).
+
+Everything else asks for tables by (pipeline, name). A cluster deployment with the Delta jars can
+swap this module for one built on delta-spark; the rest of the code does not change.
+
+Idempotency: every write may carry an application transaction ``(app_id, version)``; a write whose
+version is not newer than the one already recorded in the table is skipped, so a retried batch
+never applies the same commit twice (MillWheel's exactly-once, on the Delta log).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake.exceptions import TableNotFoundError
+
+from .config import Settings
+from .errors import MillpondError
+
+
+@dataclass(frozen=True)
+class Txn:
+    """An application transaction: (app_id, version) recorded in the Delta log with the commit."""
+
+    app_id: str
+    version: int
+
+
+def storage_options(settings: Settings) -> dict[str, str]:
+    return {
+        "AWS_ENDPOINT_URL": settings.s3_endpoint,
+        "AWS_ACCESS_KEY_ID": settings.s3_access_key,
+        "AWS_SECRET_ACCESS_KEY": settings.s3_secret_key,
+        "AWS_REGION": settings.s3_region,
+        "AWS_ALLOW_HTTP": "true" if settings.s3_endpoint.startswith("http://") else "false",
+        "AWS_S3_ALLOW_UNSAFE_RENAME": "false",
+        "conditional_put": "etag",
+        "timeout": "30s",
+        "connect_timeout": "3s",
+    }
+
+
+def _commit(txn: Txn | None) -> CommitProperties | None:
+    if txn is None:
+        return None
+    return CommitProperties(app_transactions=[Transaction(app_id=txn.app_id, version=txn.version)])
+
+
+def _wrap(exc: Exception, uri: str) -> MillpondError:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    lowered = text.lower()
+    if "connect" in lowered or "dns" in lowered or "timed out" in lowered or "error sending request" in lowered:
+        return MillpondError(f"object store unreachable while accessing {uri}: start it with `make up` ({text[:160]})")
+    if "invalidaccesskeyid" in lowered or "signaturedoesnotmatch" in lowered or "403" in lowered:
+        return MillpondError(f"object store refused the credentials for {uri}: check MILLPOND_S3_ACCESS_KEY/SECRET_KEY")
+    if "nosuchbucket" in lowered:
+        return MillpondError(f"bucket missing for {uri}: run `make up` (creates the buckets)")
+    return MillpondError(f"Delta operation on {uri} failed: {text[:300]}")
+
+
+class Tables:
+    """Delta tables of the lake, addressed by pipeline and name."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.options = storage_options(settings)
+
+    def uri(self, pipeline: str, name: str) -> str:
+        return self.settings.table_uri(pipeline, name)
+
+    # -- opening -----------------------------------------------------------------------------
+    def open(self, pipeline: str, name: str, version: int | str | None = None) -> DeltaTable | None:
+        """The table, or None if it was never created. ``version``: number or ISO timestamp."""
+        uri = self.uri(pipeline, name)
+        try:
+            dt = DeltaTable(uri, storage_options=self.options, version=version if isinstance(version, int) else None)
+        except TableNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, uri) from exc
+        if isinstance(version, str):
+            dt.load_as_version(version)
+        return dt
+
+    def exists(self, pipeline: str, name: str) -> bool:
+        return self.open(pipeline, name) is not None
+
+    def ensure(
+        self, pipeline: str, name: str, schema: pa.Schema, partition_by: Sequence[str] | None = None
+    ) -> DeltaTable:
+        dt = self.open(pipeline, name)
+        if dt is not None:
+            return dt
+        uri = self.uri(pipeline, name)
+        try:
+            return DeltaTable.create(
+                uri, schema, mode="ignore", partition_by=list(partition_by) if partition_by else None,
+                storage_options=self.options, name=f"{pipeline}.{name}",
+            )
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, uri) from exc
+
+    # -- reading -----------------------------------------------------------------------------
+    def read_arrow(
+        self,
+        pipeline: str,
+        name: str,
+        *,
+        filters: Any = None,
+        columns: list[str] | None = None,
+        version: int | str | None = None,
+        schema: pa.Schema | None = None,
+    ) -> pa.Table:
+        """Rows as Arrow; an absent table reads as empty with ``schema`` when given."""
+        dt = self.open(pipeline, name, version)
+        if dt is None:
+            if schema is None:
+                raise MillpondError(f"table {pipeline}.{name} does not exist yet")
+            return schema.empty_table()
+        try:
+            return dt.to_pyarrow_dataset().to_table(filter=filters, columns=columns)
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, self.uri(pipeline, name)) from exc
+
+    def read_spark(self, spark, pipeline: str, name: str, **kwargs):
+        """A Spark DataFrame of the table (read through delta-rs, handed over as Arrow)."""
+        return spark.createDataFrame(self.read_arrow(pipeline, name, **kwargs))
+
+    def history(self, pipeline: str, name: str, limit: int | None = None) -> list[dict[str, Any]]:
+        dt = self.open(pipeline, name)
+        return [] if dt is None else dt.history(limit)
+
+    def version(self, pipeline: str, name: str) -> int | None:
+        dt = self.open(pipeline, name)
+        return None if dt is None else dt.version()
+
+    def txn_version(self, pipeline: str, name: str, app_id: str) -> int | None:
+        dt = self.open(pipeline, name)
+        return None if dt is None else dt.transaction_version(app_id)
+
+    # -- writing -----------------------------------------------------------------------------
+    def already_applied(self, dt: DeltaTable | None, txn: Txn | None) -> bool:
+        if dt is None or txn is None:
+            return False
+        done = dt.transaction_version(txn.app_id)
+        return done is not None and done >= txn.version
+
+    def append(self, pipeline: str, name: str, data: pa.Table, txn: Txn | None = None,
+               partition_by: Sequence[str] | None = None) -> bool:
+        """Append rows; False if ``txn`` was already applied (the retry is skipped)."""
+        return self._write(pipeline, name, data, "append", txn, partition_by)
+
+    def overwrite(self, pipeline: str, name: str, data: pa.Table, txn: Txn | None = None) -> bool:
+        return self._write(pipeline, name, data, "overwrite", txn, None)
+
+    def _write(self, pipeline: str, name: str, data: pa.Table, mode: str, txn: Txn | None,
+               partition_by: Sequence[str] | None) -> bool:
+        uri = self.uri(pipeline, name)
+        dt = self.open(pipeline, name)
+        if self.already_applied(dt, txn):
+            return False
+        try:
+            if dt is None:  # the first write creates the table: its version 0 holds these rows
+                write_deltalake(uri, data, mode=mode, partition_by=list(partition_by) if partition_by else None,
+                                storage_options=self.options, commit_properties=_commit(txn))
+            else:
+                write_deltalake(dt, data, mode=mode, commit_properties=_commit(txn))
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, uri) from exc
+        return True
+
+    def merge(
+        self,
+        pipeline: str,
+        name: str,
+        source: pa.Table,
+        on: Sequence[str],
+        *,
+        delete_when: str | None = None,
+        txn: Txn | None = None,
+        partition_by: Sequence[str] | None = None,
+    ) -> dict[str, Any] | None:
+        """Upsert ``source`` by the ``on`` columns in one Delta commit.
+
+        Rows matching ``delete_when`` (a predicate over ``s.`` source columns) delete their target
+        row instead of updating it. Returns the merge metrics, or None if ``txn`` was already applied.
+        """
+        uri = self.uri(pipeline, name)
+        dt = self.ensure(pipeline, name, source.schema, partition_by)
+        if self.already_applied(dt, txn):
+            return None
+        predicate = " AND ".join(f"t.`{c}` = s.`{c}`" for c in on)
+        try:
+            merger = dt.merge(source, predicate, source_alias="s", target_alias="t", commit_properties=_commit(txn))
+            if delete_when:
+                merger = merger.when_matched_delete(predicate=delete_when)
+                keep = f"NOT ({delete_when})"
+                merger = merger.when_matched_update_all(predicate=keep).when_not_matched_insert_all(predicate=keep)
+            else:
+                merger = merger.when_matched_update_all().when_not_matched_insert_all()
+            return merger.execute()
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, uri) from exc
+
+    def delete(self, pipeline: str, name: str, predicate: str, txn: Txn | None = None) -> bool:
+        dt = self.open(pipeline, name)
+        if dt is None or self.already_applied(dt, txn):
+            return False
+        try:
+            dt.delete(predicate, commit_properties=_commit(txn))
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, self.uri(pipeline, name)) from exc
+        return True

@@ -1,0 +1,117 @@
+"""The foundation against the real embedded store: Delta round trips, idempotent commits, errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pyarrow as pa
+import pytest
+from millpond.errors import BadCredentials, BucketMissing, MillpondError, StoreUnreachable
+from millpond.objectstore import ObjectStore
+from millpond.services import EmbeddedStore
+from millpond.tables import Tables, Txn
+
+
+def rows(t: pa.Table) -> list[dict]:
+    return sorted(t.to_pylist(), key=lambda r: r["k"])
+
+
+def test_delta_roundtrip_merge_update_insert_delete(tables: Tables, pipeline_name: str) -> None:
+    base = pa.table({"k": ["a", "b", "c"], "v": [1, 2, 3], "gone": [False, False, False]})
+    assert tables.append(pipeline_name, "t", base)
+    change = pa.table({"k": ["b", "c", "d"], "v": [20, 0, 4], "gone": [False, True, False]})
+    metrics = tables.merge(pipeline_name, "t", change, on=["k"], delete_when="s.gone")
+    assert metrics["num_target_rows_updated"] == 1
+    assert metrics["num_target_rows_deleted"] == 1
+    assert metrics["num_target_rows_inserted"] == 1
+    got = rows(tables.read_arrow(pipeline_name, "t"))
+    assert got == [
+        {"k": "a", "v": 1, "gone": False},
+        {"k": "b", "v": 20, "gone": False},
+        {"k": "d", "v": 4, "gone": False},
+    ]
+    # Time travel and history: version 0 is the first append.
+    assert rows(tables.read_arrow(pipeline_name, "t", version=0)) == rows(base)
+    ops = [h["operation"] for h in tables.history(pipeline_name, "t")]
+    assert ops[0] == "MERGE" and "WRITE" in ops
+
+
+def test_idempotent_commit_is_skipped_on_retry(tables: Tables, pipeline_name: str) -> None:
+    data = pa.table({"k": ["x"], "v": [1]})
+    txn = Txn(app_id=f"{pipeline_name}", version=7)
+    assert tables.append(pipeline_name, "t", data, txn=txn) is True
+    assert tables.append(pipeline_name, "t", data, txn=txn) is False  # the retry
+    assert tables.merge(pipeline_name, "t", data, on=["k"], txn=txn) is None
+    assert tables.read_arrow(pipeline_name, "t").num_rows == 1
+    assert tables.txn_version(pipeline_name, "t", pipeline_name) == 7
+    assert tables.append(pipeline_name, "t", data, txn=Txn(pipeline_name, 8)) is True
+    assert tables.read_arrow(pipeline_name, "t").num_rows == 2
+
+
+def test_spark_reads_delta_table(spark, tables: Tables, pipeline_name: str) -> None:
+    tables.append(pipeline_name, "t", pa.table({"k": ["a", "b"], "v": [1, 2]}))
+    df = tables.read_spark(spark, pipeline_name, "t")
+    assert df.groupBy().sum("v").collect()[0][0] == 3
+
+
+def test_wrong_credentials_are_refused(settings) -> None:
+    bad = ObjectStore(settings.with_overrides(s3_secret_key="not-the-secret"))
+    with pytest.raises(BadCredentials, match="refused the credentials"):
+        bad.check()
+    with pytest.raises(MillpondError, match="credentials|refused|failed"):
+        Tables(settings.with_overrides(s3_secret_key="not-the-secret")).append("x", "t", pa.table({"k": [1]}))
+
+
+def test_missing_bucket_is_named(settings) -> None:
+    with pytest.raises(BucketMissing, match="no-such-bucket"):
+        ObjectStore(settings.with_overrides(bucket_reports="no-such-bucket")).check()
+
+
+def test_store_down_gives_clear_error_and_restart_keeps_data(tmp_path, tables: Tables, pipeline_name: str) -> None:
+    """A second, private store: stop it and see the one-line error, not a stack trace."""
+    from conftest import free_store_env
+    from millpond.config import load_settings
+
+    env = free_store_env(tmp_path)
+    s = load_settings(env=env)
+    store = EmbeddedStore(s)
+    assert store.start() is True
+    assert store.start() is False  # idempotent
+    Tables(s).append(pipeline_name, "t", pa.table({"k": ["a"]}))
+    assert store.stop() is True
+    assert store.stop() is False
+    with pytest.raises(StoreUnreachable, match="make up"):
+        ObjectStore(s).check()
+    # The CLI prints one line and exits non-zero.
+    proc = subprocess.run(
+        [sys.executable, "-m", "millpond", "check"], capture_output=True, text=True, env={**_base_env(), **env}
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.strip().count("\n") == 0 and "unreachable" in proc.stderr
+    # Restarted on the same data dir: the committed table is still there.
+    store.start()
+    try:
+        assert Tables(s).read_arrow(pipeline_name, "t").num_rows == 1
+    finally:
+        store.stop()
+
+
+def test_busy_port_is_reported(tmp_path) -> None:
+    import socket
+
+    from conftest import free_store_env
+    from millpond.config import load_settings
+
+    env = free_store_env(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", int(env["MILLPOND_S3_PORT"])))
+        s.listen()
+        with pytest.raises(MillpondError, match="in use"):
+            EmbeddedStore(load_settings(env=env)).start()
+
+
+def _base_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("MILLPOND_")}
