@@ -1,0 +1,193 @@
+"""One key's share of a micro-batch: GroupByKeyAndWindow with triggers (paper, Figure 4).
+
+``process_key`` is a pure function of (stored windows of the key, the batch's new elements of the
+key, the batch's clock). Spark runs it per key (``microbatch``); the same function runs in the
+driver for tiny batches, so both paths give identical tables.
+
+Per key, in order: drop late elements (window end + allowed lateness at or behind the input
+watermark), assign windows, merge (sessions; one late event can bridge two stored sessions), add
+elements to accumulators and triggers, then ask each touched or due window once whether it fires,
+emit panes in the accumulation mode, and garbage-collect windows past end + allowed lateness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .accumulation import Accumulation, emit
+from .aggregations import Combiner
+from .panes import Pane
+from .state import WindowState
+from .timeutil import MAX_TS
+from .triggers import Trigger, TriggerContext, merge_states
+from .windows import Window, WindowFn
+
+
+@dataclass(frozen=True)
+class Element:
+    id: str
+    key: str
+    value: Any
+    event_time: int
+    arrival_time: int
+
+
+@dataclass(frozen=True)
+class BatchClock:
+    batch: int
+    processing_time: int
+    #: the watermark before this batch (lateness is judged against it)
+    input_watermark: int
+    #: the watermark after this batch's advance (triggers see it)
+    watermark: int
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """The what / where / when / how of a pipeline, ready to execute."""
+
+    window_fn: WindowFn
+    trigger: Trigger
+    mode: Accumulation
+    combiner: Combiner
+    allowed_lateness: int
+
+
+@dataclass
+class KeyResult:
+    panes: list[Pane] = field(default_factory=list)
+    #: windows to upsert into state
+    upserts: list[WindowState] = field(default_factory=list)
+    #: windows to delete from state (garbage-collected or merged away)
+    deletes: list[Window] = field(default_factory=list)
+    #: windows merged away while holding an emitted value: removed from the current view
+    merged_away: list[Window] = field(default_factory=list)
+    #: (element, reason) dropped as late or for a closed window
+    late: list[tuple[Element, str]] = field(default_factory=list)
+
+
+def gc_time(window: Window, lateness: int) -> int:
+    return MAX_TS if window.end >= MAX_TS - lateness else window.end + lateness
+
+
+def timers(ws: WindowState, strategy: Strategy, clock: BatchClock) -> tuple[int, int | None]:
+    """(event-time timer, processing-time timer) of a stored window: when it next needs a look."""
+    gc = gc_time(ws.window, strategy.allowed_lateness)
+    if ws.closed:
+        return gc, None
+    ctx = TriggerContext(ws.window, clock.watermark, clock.processing_time, ws.trigger)
+    armed = strategy.trigger.event_timer(ctx, "0")
+    return (min(gc, armed) if armed is not None else gc), strategy.trigger.ptime_timer(ctx, "0")
+
+
+def process_key(
+    key: str,
+    stored: list[WindowState],
+    elements: list[Element],
+    clock: BatchClock,
+    strategy: Strategy,
+) -> KeyResult:
+    result = KeyResult()
+    comb, trig, wfn = strategy.combiner, strategy.trigger, strategy.window_fn
+    live: dict[Window, WindowState] = {ws.window: ws for ws in stored}
+    touched: set[Window] = set()
+    seq = 0
+
+    def make(k, start, end, value, index, timing, is_last, kind) -> Pane:
+        nonlocal seq
+        seq += 1
+        return Pane(k, start, end, value, index, str(timing), is_last, str(kind), clock.batch,
+                    clock.processing_time, clock.watermark, seq)
+
+    # 1. Assign windows; drop what is too late or belongs to a closed window.
+    assigned: list[tuple[Element, Window]] = []
+    for el in sorted(elements, key=lambda e: (e.arrival_time, e.event_time, e.id)):
+        for w in wfn.assign(el.event_time):
+            if gc_time(w, strategy.allowed_lateness) <= clock.input_watermark:
+                result.late.append((el, "beyond allowed lateness"))
+                continue
+            closed = [ws for ws in live.values() if ws.closed and ws.window.intersects(w)]
+            if closed and (wfn.merging or w in live):
+                result.late.append((el, "window closed"))
+                continue
+            assigned.append((el, w))
+
+    # 2. Merge windows (sessions): stored live windows and the new elements' windows.
+    if wfn.merging and assigned:
+        open_windows = [w for w, ws in live.items() if not ws.closed]
+        groups = wfn.merge(open_windows + [w for _, w in assigned])
+        target: dict[Window, Window] = {}
+        for merged, members in groups:
+            for m in members:
+                target[m] = merged
+            stored_members = sorted({m for m in members if m in live})
+            if merged in live and stored_members == [merged]:
+                continue  # unchanged window
+            states = [live[m] for m in stored_members]
+            fresh = len(set(members)) > len(stored_members)
+            trig_states = [s.trigger for s in states] + ([{}] if fresh else [])
+            new = WindowState(
+                window=merged,
+                acc=comb.merge([s.acc for s in states]) if states else comb.create(),
+                trigger=merge_states(trig, trig_states),
+                on_time_emitted=any(s.on_time_emitted for s in states),
+                unfired=sum(s.unfired for s in states),
+            )
+            for s in states:
+                new.pending.extend(s.pending)
+                if s.window == merged:  # the session kept its bounds: keep its pane history
+                    new.pane_index, new.last = s.pane_index, s.last
+                    continue
+                if s.last is not None:
+                    new.pending.append([s.window.start, s.window.end, s.last[0], s.pane_index - 1])
+                    result.merged_away.append(s.window)
+                elif s.pane_index > 0:
+                    result.merged_away.append(s.window)
+                del live[s.window]
+                result.deletes.append(s.window)
+            live[merged] = new
+            touched.add(merged)
+        assigned = [(el, target[w]) for el, w in assigned]
+
+    # 3. Add elements to accumulators and triggers.
+    for el, w in assigned:
+        ws = live.get(w)
+        if ws is None:
+            ws = live[w] = WindowState(window=w, acc=comb.create())
+        ws.acc = comb.add(ws.acc, el.value)
+        ws.unfired += 1
+        ctx = TriggerContext(w, clock.watermark, clock.processing_time, ws.trigger)
+        trig.on_element(ctx, "0", min(el.arrival_time, clock.processing_time))
+        touched.add(w)
+
+    # 4. Fire what is due, once per window; garbage-collect what can no longer fire.
+    mode, lateness = strategy.mode, strategy.allowed_lateness
+    for w in sorted(live):
+        ws = live[w]
+        gc_due = gc_time(w, lateness) <= clock.watermark
+        event_t, ptime_t = timers(ws, strategy, clock)
+        due = w in touched or (event_t is not None and event_t <= clock.watermark) or (
+            ptime_t is not None and ptime_t <= clock.processing_time
+        )
+        fired = False
+        if not ws.closed and due:
+            ctx = TriggerContext(w, clock.watermark, clock.processing_time, ws.trigger)
+            if trig.should_fire(ctx, "0"):
+                fired = True
+                finished = trig.on_fire(ctx, "0")
+                if finished:
+                    trig.set_finished(ctx, "0")
+                    ws.closed = True
+                result.panes += emit(ws, mode, comb, key=key, watermark=clock.watermark,
+                                     is_last=finished or gc_due, make=make)
+            elif gc_due and ws.unfired > 0:
+                fired = True
+                result.panes += emit(ws, mode, comb, key=key, watermark=clock.watermark, is_last=True, make=make)
+        if gc_due:
+            result.deletes.append(w)
+        elif w in touched or fired:
+            if ws.closed:
+                ws.acc, ws.trigger, ws.last, ws.pending = None, {"0": {"done": True}}, None, []
+            result.upserts.append(ws)
+    return result

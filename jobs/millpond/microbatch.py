@@ -1,0 +1,491 @@
+"""The micro-batch job: one Airflow run = one batch, from landing files to panes in Delta.
+
+Steps (each timed into ``phases``): plan (which files, which state versions; written first so a
+rerun after a crash recomputes the same batch), ingest + quarantine, dedup, watermark, per-key
+windowing/triggers (Spark ``cogroup.applyInPandas`` over new elements and the state of the keys they
+touch or whose timers are due; in the driver for tiny batches), then commits, each tagged with the
+application transaction (pipeline, batch) so a retried batch never applies anything twice, with the
+``batches`` row last as the commit marker.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .config import Settings
+from .engine import BatchClock, Element, process_key, timers
+from .errors import MillpondError
+from .ingest import LandingFile, file_arrival, parse_file
+from .objectstore import ObjectStore
+from .panes import TS, Pane, panes_table
+from .pipeline import PipelineSpec, pipeline_from_dict
+from .state import WINDOWS_SCHEMA, WindowState
+from .tables import Tables, Txn
+from .timeutil import MIN_TS, to_datetime, to_us
+from .watermark import advance
+from .windows import Window
+
+#: below this many new elements the per-key step runs in the driver (same code, no Spark job)
+LOCAL_THRESHOLD = 5_000
+
+PLAN_SCHEMA = pa.schema(
+    [
+        ("batch", pa.int64()),
+        ("processing_time", TS),
+        ("files", pa.list_(pa.string())),
+        ("file_arrivals", pa.list_(pa.int64())),
+        ("versions", pa.string()),
+    ]
+)
+QUARANTINE_SCHEMA = pa.schema(
+    [("source_file", pa.string()), ("line", pa.int64()), ("raw", pa.string()), ("reason", pa.string()),
+     ("batch", pa.int64())]
+)
+SEEN_SCHEMA = pa.schema([("id", pa.string()), ("event_time", TS), ("batch", pa.int64())])
+BATCHES_SCHEMA = pa.schema(
+    [
+        ("batch", pa.int64()),
+        ("processing_time", TS),
+        ("watermark", TS),
+        ("input_watermark", TS),
+        ("max_event_time", TS),
+        ("files", pa.int64()),
+        ("input", pa.int64()),
+        ("accepted", pa.int64()),
+        ("duplicates", pa.int64()),
+        ("late", pa.int64()),
+        ("quarantined", pa.int64()),
+        ("panes", pa.int64()),
+        ("retractions", pa.int64()),
+        ("state_rows_read", pa.int64()),
+        ("phases", pa.string()),
+    ]
+)
+STATE_TABLES = ("windows", "seen_ids")
+
+
+@dataclass
+class BatchResult:
+    pipeline: str
+    batch: int
+    processing_time: datetime
+    watermark: datetime | None
+    counts: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
+    skipped: bool = False
+
+    def summary(self) -> str:
+        if self.skipped:
+            return f"{self.pipeline}: batch at {self.processing_time.isoformat()} already committed (skipped)"
+        c = self.counts
+        return (
+            f"{self.pipeline} batch {self.batch} @ {self.processing_time.isoformat()}: watermark "
+            f"{self.watermark.isoformat() if self.watermark else '-'}; input {c.get('input', 0)}, accepted "
+            f"{c.get('accepted', 0)}, duplicates {c.get('duplicates', 0)}, late {c.get('late', 0)}, "
+            f"quarantined {c.get('quarantined', 0)}, panes {c.get('panes', 0)}; "
+            + ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items())
+        )
+
+
+def late_schema(value_type: str) -> pa.Schema:
+    return pa.schema(
+        [("id", pa.string()), ("key", pa.string()),
+         ("value", pa.int64() if value_type == "int" else pa.float64()),
+         ("event_time", TS), ("arrival_time", TS), ("reason", pa.string()), ("batch", pa.int64())]
+    )
+
+
+def current_schema(value_type: str) -> pa.Schema:
+    return pa.schema(
+        [("key", pa.string()), ("window_start", TS), ("window_end", TS),
+         ("value", pa.int64() if value_type == "int64" else pa.float64()),
+         ("pane_index", pa.int64()), ("timing", pa.string()), ("batch", pa.int64()), ("deleted", pa.bool_())]
+    )
+
+
+def _ts(values: Iterable[int | None]) -> pa.Array:
+    return pa.array(list(values), pa.int64()).cast(TS)
+
+
+def _us_column(table: pa.Table, name: str) -> list[int]:
+    return table.column(name).cast(pa.int64()).to_pylist()
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self._t
+        self._t = now
+
+
+# -- the per-key step, shared by the Spark and the driver paths ------------------------------------
+@lru_cache(maxsize=8)
+def _strategy(spec_json: str):
+    return pipeline_from_dict(json.loads(spec_json)).strategy()
+
+
+def process_group(
+    spec_json: str, clock: BatchClock, key: str, elements: list[Element], state_rows: list[tuple[int, int, str]]
+) -> list[tuple[str, str, str]]:
+    """Run one key; return (row type, key, JSON payload) rows for the driver to commit."""
+    strategy = _strategy(spec_json)
+    stored = [WindowState.from_json(Window(s, e), st) for s, e, st in state_rows]
+    res = process_key(key, stored, elements, clock, strategy)
+    out: list[tuple[str, str, str]] = []
+    for p in res.panes:
+        out.append(("pane", key, json.dumps([p.window_start, p.window_end, p.value, p.pane_index, p.timing,
+                                             p.is_last, p.kind, p.seq])))
+    for ws in res.upserts:
+        et, pt = timers(ws, strategy, clock)
+        out.append(("state", key, json.dumps([ws.window.start, ws.window.end, ws.to_json(), et, pt])))
+    for w in res.deletes:
+        out.append(("delete", key, json.dumps([w.start, w.end])))
+    for w in res.merged_away:
+        out.append(("gone", key, json.dumps([w.start, w.end])))
+    for el, reason in res.late:
+        out.append(("late", key, json.dumps([el.id, el.value, el.event_time, el.arrival_time, reason])))
+    return out
+
+
+def _run_local(spec_json: str, clock: BatchClock, elements: list[Element], state: pa.Table) -> list[tuple]:
+    by_key: dict[str, list[Element]] = defaultdict(list)
+    for el in elements:
+        by_key[el.key].append(el)
+    st_by_key: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+    if state.num_rows:
+        for k, s, e, js in zip(state.column("key").to_pylist(), _us_column(state, "window_start"),
+                               _us_column(state, "window_end"), state.column("state").to_pylist(), strict=True):
+            st_by_key[k].append((s, e, js))
+    out: list[tuple] = []
+    for key in sorted(set(by_key) | set(st_by_key)):
+        out += process_group(spec_json, clock, key, by_key.get(key, []), st_by_key.get(key, []))
+    return out
+
+
+def _run_spark(spark, spec_json: str, clock: BatchClock, elements: list[Element], state: pa.Table,
+               value_type: str) -> list[tuple]:
+    import pandas as pd
+
+    ev = pa.table(
+        {
+            "key": [e.key for e in elements],
+            "id": [e.id for e in elements],
+            "value": pa.array([e.value for e in elements], pa.int64() if value_type == "int" else pa.float64()),
+            "event_time": pa.array([e.event_time for e in elements], pa.int64()),
+            "arrival_time": pa.array([e.arrival_time for e in elements], pa.int64()),
+        }
+    )
+    st = pa.table(
+        {
+            "key": state.column("key"),
+            "window_start": state.column("window_start").cast(pa.int64()),
+            "window_end": state.column("window_end").cast(pa.int64()),
+            "state": state.column("state"),
+        }
+    ) if state.num_rows else pa.table({"key": pa.array([], pa.string()), "window_start": pa.array([], pa.int64()),
+                                      "window_end": pa.array([], pa.int64()), "state": pa.array([], pa.string())})
+    ev_df = spark.createDataFrame(ev)
+    st_df = spark.createDataFrame(st)
+
+    def run(left: pd.DataFrame, right: pd.DataFrame) -> pd.DataFrame:
+        key = left["key"].iloc[0] if len(left) else right["key"].iloc[0]
+        els = [Element(i, key, v.item() if hasattr(v, "item") else v, int(t), int(a))
+               for i, v, t, a in zip(left["id"], left["value"], left["event_time"], left["arrival_time"], strict=True)]
+        rows = list(zip(right["window_start"].astype("int64"), right["window_end"].astype("int64"),
+                        right["state"], strict=True))
+        out = process_group(spec_json, clock, key, els, [(int(s), int(e), js) for s, e, js in rows])
+        return pd.DataFrame(out, columns=["rtype", "key", "payload"])
+
+    result = (
+        ev_df.groupBy("key").cogroup(st_df.groupBy("key"))
+        .applyInPandas(run, schema="rtype string, key string, payload string")
+    )
+    table = result.toArrow()
+    return list(zip(table.column("rtype").to_pylist(), table.column("key").to_pylist(),
+                    table.column("payload").to_pylist(), strict=True))
+
+
+# -- the batch ------------------------------------------------------------------------------------
+class MicroBatch:
+    """One batch of one pipeline at one processing time."""
+
+    def __init__(self, settings: Settings, spec: PipelineSpec, spark=None) -> None:
+        self.settings = settings
+        self.spec = spec
+        self.spark = spark
+        self.tables = Tables(settings)
+        self.store = ObjectStore(settings)
+        self.name = spec.name
+
+    def txn(self, batch: int) -> Txn:
+        return Txn(app_id=f"millpond/{self.name}", version=batch)
+
+    # history -----------------------------------------------------------------------------------
+    def committed(self) -> pa.Table:
+        return self.tables.read_arrow(self.name, "batches", schema=BATCHES_SCHEMA)
+
+    def plan_of(self, batch: int) -> dict[str, Any] | None:
+        log = self.tables.read_arrow(self.name, "ingest_log", schema=PLAN_SCHEMA,
+                                     filters=pc.field("batch") == batch)
+        if not log.num_rows:
+            return None
+        row = log.to_pylist()[0]
+        return {"files": row["files"], "arrivals": row["file_arrivals"], "versions": json.loads(row["versions"])}
+
+    def taken_files(self) -> set[str]:
+        log = self.tables.read_arrow(self.name, "ingest_log", schema=PLAN_SCHEMA, columns=["files"])
+        return {f for files in log.column("files").to_pylist() for f in files}
+
+    def pending_files(self, processing_time: int) -> list[LandingFile]:
+        taken = self.taken_files()
+        out = []
+        for obj in self.store.list(self.settings.bucket_landing, self.spec.source_prefix):
+            if obj.key in taken or not obj.key.endswith((".jsonl", ".json")):
+                continue
+            arrival = file_arrival(obj)
+            if arrival < processing_time:
+                out.append(LandingFile(obj.key, arrival, obj.size, obj.etag))
+        return sorted(out, key=lambda f: (f.arrival, f.key))
+
+    # the run -----------------------------------------------------------------------------------
+    def run(self, processing_time: datetime | int | str, watermark: datetime | int | str | None = None) -> BatchResult:
+        P = to_us(processing_time)
+        t = _Timer()
+        done = self.committed()
+        prior = done.filter(pc.field("processing_time") == pa.scalar(P, pa.int64()).cast(TS))
+        if prior.num_rows:
+            row = prior.to_pylist()[0]
+            return BatchResult(self.name, row["batch"], to_datetime(P), row["watermark"], skipped=True)
+        last = max(done.column("batch").to_pylist(), default=0)
+        prev = done.filter(pc.field("batch") == last).to_pylist()[0] if last else None
+        if prev and to_us(prev["processing_time"]) > P:
+            raise MillpondError(
+                f"{self.name}: processing time {to_datetime(P).isoformat()} is before the last committed batch "
+                f"({prev['processing_time'].isoformat()}); batches run in order"
+            )
+        batch = last + 1
+        txn = self.txn(batch)
+        w_in = to_us(prev["watermark"]) if prev else MIN_TS
+        max_et_prev = to_us(prev["max_event_time"]) if prev and prev["max_event_time"] is not None else None
+
+        # Plan: written first; a rerun of a crashed batch finds it and redoes exactly the same work.
+        plan = self.plan_of(batch)
+        if plan is None:
+            files = self.pending_files(P)
+            versions = {name: self.tables.version(self.name, name) for name in STATE_TABLES}
+            plan = {"files": [f.key for f in files], "arrivals": [f.arrival for f in files], "versions": versions}
+            self.tables.append(self.name, "ingest_log", pa.Table.from_arrays([
+                pa.array([batch], pa.int64()), _ts([P]), pa.array([plan["files"]], pa.list_(pa.string())),
+                pa.array([plan["arrivals"]], pa.list_(pa.int64())),
+                pa.array([json.dumps(versions, sort_keys=True)])], schema=PLAN_SCHEMA), txn=txn)
+        t.lap("plan")
+
+        # Ingest: read and parse the planned files (in parallel), quarantine bad rows.
+        good, bad = self._read(plan, P)
+        t.lap("ingest")
+
+        # Dedup: within the batch, then against ids seen by earlier batches.
+        good.sort(key=lambda r: (r[4], r[5], r[6]))
+        first: dict[str, tuple] = {}
+        for r in good:
+            first.setdefault(r[0], r)
+        seen = self._seen(plan["versions"].get("seen_ids"), list(first))
+        accepted = [r for i, r in first.items() if i not in seen]
+        duplicates = len(good) - len(accepted)
+        t.lap("dedup")
+
+        # Watermark: the policy's candidate, never moving backwards.
+        max_et = max([r[3] for r in accepted] + ([max_et_prev] if max_et_prev is not None else []), default=None)
+        if watermark is not None:
+            candidate = to_us(watermark)
+        else:
+            candidate = self.spec.watermark_policy.candidate(batch_index=batch - 1, processing_time=P,
+                                                             max_event_time=max_et)
+        w_new = advance(w_in, candidate)
+        clock = BatchClock(batch=batch, processing_time=P, input_watermark=w_in, watermark=w_new)
+        t.lap("watermark")
+
+        # Windowing and triggers per key.
+        elements = [Element(r[0], r[1], r[2], r[3], r[4]) for r in accepted]
+        keys = sorted({e.key for e in elements})
+        state = self._state(plan["versions"].get("windows"), keys, clock)
+        spec_json = json.dumps(self.spec.raw, sort_keys=True, default=str)
+        if self.spark is not None and len(elements) >= LOCAL_THRESHOLD:
+            rows = _run_spark(self.spark, spec_json, clock, elements, state, self.spec.value_type)
+        else:
+            rows = _run_local(spec_json, clock, elements, state)
+        t.lap("windowing")
+
+        counts = self._commit(batch, txn, clock, rows, accepted, bad, max_et, len(plan["files"]),
+                              duplicates, state.num_rows, t)
+        return BatchResult(self.name, batch, to_datetime(P), to_datetime(w_new), counts, t.phases)
+
+    def _read(self, plan: dict[str, Any], P: int) -> tuple[list[tuple], list[tuple]]:
+        def one(item: tuple[str, int]) -> tuple[list[tuple], list[tuple]]:
+            key, arrival = item
+            data = self.store.get_bytes(self.settings.bucket_landing, key)
+            return parse_file(key, data, value_type=self.spec.value_type, file_arrival_us=arrival,
+                              processing_time=P)
+
+        good: list[tuple] = []
+        bad: list[tuple] = []
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            for g, b in pool.map(one, zip(plan["files"], plan["arrivals"], strict=True)):
+                good += g
+                bad += b
+        return good, bad
+
+    def _seen(self, version: int | None, ids: list[str]) -> set[str]:
+        if version is None or not ids:
+            return set()
+        t = self.tables.read_arrow(self.name, "seen_ids", version=version, columns=["id"],
+                                   filters=pc.field("id").isin(pa.array(ids, pa.string())))
+        return set(t.column("id").to_pylist())
+
+    def _state(self, version: int | None, keys: list[str], clock: BatchClock) -> pa.Table:
+        """Only the windows of touched keys and of windows whose timers are due."""
+        if version is None:
+            return WINDOWS_SCHEMA.empty_table()
+        due = (pc.field("event_timer") <= pa.scalar(clock.watermark, pa.int64()).cast(TS)) | (
+            pc.field("ptime_timer") <= pa.scalar(clock.processing_time, pa.int64()).cast(TS))
+        flt = due | pc.field("key").isin(pa.array(keys, pa.string())) if keys else due
+        due_keys = self.tables.read_arrow(self.name, "windows", version=version, columns=["key"], filters=flt)
+        all_keys = sorted(set(keys) | set(due_keys.column("key").to_pylist()))
+        if not all_keys:
+            return WINDOWS_SCHEMA.empty_table()
+        return self.tables.read_arrow(self.name, "windows", version=version,
+                                      filters=pc.field("key").isin(pa.array(all_keys, pa.string())))
+
+    def _commit(self, batch: int, txn: Txn, clock: BatchClock, rows: list[tuple], accepted: list[tuple],
+                bad: list[tuple], max_et: int | None, nfiles: int, duplicates: int, state_read: int,
+                t: _Timer) -> dict[str, int]:
+        value_type = self.spec.value_type
+        pane_type = self.spec.pane_value_type
+        rows = sorted(rows, key=lambda r: (r[1], r[0]))
+        panes: list[Pane] = []
+        state_rows: list[dict[str, Any]] = []
+        gone: list[tuple[str, int, int]] = []
+        late_rows: list[dict[str, Any]] = []
+        for rtype, key, payload in rows:
+            p = json.loads(payload)
+            if rtype == "pane":
+                panes.append(Pane(key, p[0], p[1], p[2], p[3], p[4], p[5], p[6], batch, clock.processing_time,
+                                  clock.watermark, p[7]))
+            elif rtype == "state":
+                state_rows.append({"key": key, "window_start": p[0], "window_end": p[1], "state": p[2],
+                                   "event_timer": p[3], "ptime_timer": p[4], "batch": batch, "deleted": False})
+            elif rtype == "delete":
+                state_rows.append({"key": key, "window_start": p[0], "window_end": p[1], "state": None,
+                                   "event_timer": None, "ptime_timer": None, "batch": batch, "deleted": True})
+            elif rtype == "gone":
+                gone.append((key, p[0], p[1]))
+            elif rtype == "late":
+                late_rows.append({"id": p[0], "key": key, "value": p[1], "event_time": p[2], "arrival_time": p[3],
+                                  "reason": p[4], "batch": batch})
+        # Emission order: by key, then the order the key emitted them; seq renumbered batch-wide.
+        panes.sort(key=lambda x: (x.key, x.seq))
+        panes = [Pane(**{**x.__dict__, "seq": i}) for i, x in enumerate(panes, start=1)]
+        # A state row may be both deleted (merged away) and re-created within a batch: keep the upsert.
+        by_window: dict[tuple[str, int, int], dict[str, Any]] = {}
+        for r in state_rows:
+            k = (r["key"], r["window_start"], r["window_end"])
+            if k not in by_window or not r["deleted"]:
+                by_window[k] = r
+        state_rows = [by_window[k] for k in sorted(by_window)]
+        t.lap("assemble")
+
+        name = self.name
+        if bad:
+            self.tables.append(name, "quarantine", pa.table(
+                {"source_file": [b[0] for b in bad], "line": pa.array([b[1] for b in bad], pa.int64()),
+                 "raw": [b[2] for b in bad], "reason": [b[3] for b in bad],
+                 "batch": pa.array([batch] * len(bad), pa.int64())}, schema=QUARANTINE_SCHEMA), txn=txn)
+        if accepted:
+            self.tables.append(name, "seen_ids", pa.table(
+                {"id": [r[0] for r in accepted], "event_time": _ts(r[3] for r in accepted),
+                 "batch": pa.array([batch] * len(accepted), pa.int64())}, schema=SEEN_SCHEMA), txn=txn)
+        if late_rows:
+            schema = late_schema(value_type)
+            self.tables.append(name, "late", pa.table(
+                {"id": [r["id"] for r in late_rows], "key": [r["key"] for r in late_rows],
+                 "value": pa.array([r["value"] for r in late_rows], schema.field("value").type),
+                 "event_time": _ts(r["event_time"] for r in late_rows),
+                 "arrival_time": _ts(r["arrival_time"] for r in late_rows),
+                 "reason": [r["reason"] for r in late_rows],
+                 "batch": pa.array([batch] * len(late_rows), pa.int64())}, schema=schema), txn=txn)
+        if panes:
+            self.tables.append(name, "panes", panes_table(panes, pane_type), txn=txn)
+        self._commit_current(batch, txn, panes, gone, pane_type)
+        if state_rows:
+            self.tables.merge(name, "windows", pa.table(
+                {"key": [r["key"] for r in state_rows],
+                 "window_start": _ts(r["window_start"] for r in state_rows),
+                 "window_end": _ts(r["window_end"] for r in state_rows),
+                 "state": pa.array([r["state"] for r in state_rows], pa.string()),
+                 "event_timer": _ts(r["event_timer"] for r in state_rows),
+                 "ptime_timer": _ts(r["ptime_timer"] for r in state_rows),
+                 "batch": pa.array([batch] * len(state_rows), pa.int64()),
+                 "deleted": pa.array([r["deleted"] for r in state_rows], pa.bool_())}, schema=WINDOWS_SCHEMA),
+                on=["key", "window_start", "window_end"], delete_when="s.deleted", txn=txn)
+        t.lap("commit")
+        counts = {
+            "files": nfiles, "input": len(accepted) + duplicates + len(bad), "accepted": len(accepted),
+            "duplicates": duplicates, "late": len(late_rows), "quarantined": len(bad),
+            "panes": sum(1 for p in panes if p.kind == "value"),
+            "retractions": sum(1 for p in panes if p.kind == "retraction"), "state_rows_read": state_read,
+        }
+        marker = {"batch": batch, "processing_time": clock.processing_time, "watermark": clock.watermark,
+                  "input_watermark": clock.input_watermark, "max_event_time": max_et, **counts,
+                  "phases": json.dumps({k: round(v, 4) for k, v in t.phases.items()})}
+        schema = BATCHES_SCHEMA
+        arrays = [(_ts([marker[f.name]]) if f.type == TS else pa.array([marker[f.name]], f.type)) for f in schema]
+        self.tables.append(name, "batches", pa.Table.from_arrays(arrays, schema=schema), txn=txn)
+        return counts
+
+    def _commit_current(self, batch: int, txn: Txn, panes: list[Pane], gone: list[tuple[str, int, int]],
+                        pane_type: str) -> None:
+        """The current view: latest value per (key, window); merged-away sessions deleted."""
+        schema = current_schema(pane_type)
+        values = [p for p in panes if p.kind == "value"]
+        if self.spec.mode.value == "discarding":
+            rows = [(p.key, p.window_start, p.window_end, p.value, p.pane_index, p.timing, False) for p in values]
+            on = ["key", "window_start", "window_end", "pane_index"]
+        else:
+            latest: dict[tuple[str, int, int], Pane] = {}
+            for p in values:
+                latest[(p.key, p.window_start, p.window_end)] = p
+            rows = [(p.key, p.window_start, p.window_end, p.value, p.pane_index, p.timing, False)
+                    for p in latest.values()]
+            rows += [(k, s, e, None, -1, "", True) for k, s, e in gone if (k, s, e) not in latest]
+            on = ["key", "window_start", "window_end"]
+        if not rows:
+            return
+        rows.sort(key=lambda r: (r[0], r[1], r[2], r[4]))
+        table = pa.table({
+            "key": [r[0] for r in rows], "window_start": _ts(r[1] for r in rows), "window_end": _ts(r[2] for r in rows),
+            "value": pa.array([r[3] for r in rows], schema.field("value").type),
+            "pane_index": pa.array([r[4] for r in rows], pa.int64()), "timing": [r[5] for r in rows],
+            "batch": pa.array([batch] * len(rows), pa.int64()), "deleted": pa.array([r[6] for r in rows], pa.bool_()),
+        }, schema=schema)
+        self.tables.merge(self.name, "current", table, on=on, delete_when="s.deleted", txn=txn)
+
+
+def run_batch(settings: Settings, spec: PipelineSpec, processing_time: datetime | int | str, *,
+              watermark: datetime | int | str | None = None, spark=None) -> BatchResult:
+    """One micro-batch of ``spec`` at ``processing_time`` (idempotent; see module docstring)."""
+    return MicroBatch(settings, spec, spark).run(processing_time, watermark)

@@ -1,0 +1,101 @@
+"""A pipeline's configuration (``conf/pipelines/*.yaml``) turned into an executable strategy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .accumulation import Accumulation
+from .aggregations import combiner, output_arrow_type
+from .config import DEFAULT_CONF_DIR
+from .engine import Strategy
+from .timeutil import parse_duration
+from .triggers import parse_trigger
+from .watermark import WatermarkPolicy
+from .windows import window_fn
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    name: str
+    source_prefix: str
+    value_type: str
+    window: dict[str, Any]
+    trigger: str
+    accumulation: str
+    aggregation: str
+    allowed_lateness: int
+    batch_interval: int
+    watermark: dict[str, Any]
+    description: str = ""
+    demo: dict[str, Any] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    def strategy(self) -> Strategy:
+        return Strategy(
+            window_fn=window_fn(self.window),
+            trigger=parse_trigger(self.trigger),
+            mode=Accumulation.parse(self.accumulation),
+            combiner=combiner(self.aggregation),
+            allowed_lateness=self.allowed_lateness,
+        )
+
+    @property
+    def mode(self) -> Accumulation:
+        return Accumulation.parse(self.accumulation)
+
+    @property
+    def watermark_policy(self) -> WatermarkPolicy:
+        return WatermarkPolicy.from_config(self.watermark)
+
+    @property
+    def pane_value_type(self) -> str:
+        return output_arrow_type(combiner(self.aggregation), self.value_type)
+
+
+def pipeline_from_dict(doc: dict[str, Any]) -> PipelineSpec:
+    """Validate a config mapping: every mistake is reported by name, before anything runs."""
+    if "name" not in doc:
+        raise ValueError("pipeline config needs a name")
+    name = str(doc["name"])
+    if not name.replace("_", "").isalnum():
+        raise ValueError(f"pipeline name {name!r}: use letters, digits and underscores")
+    value_type = doc.get("value_type", "int")
+    if value_type not in ("int", "float"):
+        raise ValueError(f"value_type {value_type!r}: use int or float")
+    source = doc.get("source") or {}
+    spec = PipelineSpec(
+        name=name,
+        source_prefix=str(source.get("prefix", f"{name}/")),
+        value_type=value_type,
+        window=dict(doc.get("window") or {"type": "global"}),
+        trigger=str(doc.get("trigger") or "Repeat(AtWatermark())"),
+        accumulation=str(doc.get("accumulation", "accumulating")),
+        aggregation=str(doc.get("aggregation", "sum")),
+        allowed_lateness=parse_duration(doc.get("allowed_lateness", 0)),
+        batch_interval=parse_duration(doc.get("batch_interval", "5m")),
+        watermark=dict(doc.get("watermark") or {"policy": "processing_time", "lag": 0}),
+        description=str(doc.get("description", "")),
+        demo=dict(doc.get("demo") or {}),
+        raw=dict(doc),
+    )
+    spec.strategy()  # parse window, trigger, accumulation and aggregation now
+    _ = spec.watermark_policy  # and the watermark policy
+    return spec
+
+
+def load_pipeline(path: str | Path) -> PipelineSpec:
+    path = Path(path)
+    try:
+        return pipeline_from_dict(yaml.safe_load(path.read_text()) or {})
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path.name}: {exc}") from exc
+
+
+def load_pipelines(conf_dir: Path | None = None) -> dict[str, PipelineSpec]:
+    folder = (conf_dir or DEFAULT_CONF_DIR) / "pipelines"
+    specs = [load_pipeline(p) for p in sorted(folder.glob("*.yaml"))]
+    return {s.name: s for s in specs}

@@ -1,0 +1,123 @@
+"""Where in event time: window assignment and merging (Dataflow paper, section 2.2).
+
+A window function is ``assign`` (element timestamp -> windows) plus ``merge`` (a key's windows ->
+groups that become one). Non-merging functions leave ``merge`` as the identity. Add a custom window
+function by subclassing :class:`WindowFn` and naming it in the pipeline config as
+``window: {type: custom, class: "my_module:MyWindows", ...}``; its extra keys are passed to
+the constructor.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from .timeutil import MAX_TS, MIN_TS, parse_duration
+
+
+@dataclass(frozen=True, order=True)
+class Window:
+    """Half-open interval [start, end) of event time, in microseconds."""
+
+    start: int
+    end: int
+
+    def contains(self, ts: int) -> bool:
+        return self.start <= ts < self.end
+
+    def intersects(self, other: Window) -> bool:
+        return self.start < other.end and other.start < self.end
+
+    def span(self, other: Window) -> Window:
+        return Window(min(self.start, other.start), max(self.end, other.end))
+
+
+GLOBAL_WINDOW = Window(MIN_TS, MAX_TS)
+
+
+class WindowFn:
+    """Assign and merge: the two halves of a windowing strategy."""
+
+    merging: bool = False
+
+    def assign(self, ts: int) -> list[Window]:
+        raise NotImplementedError
+
+    def merge(self, windows: list[Window]) -> list[tuple[Window, list[Window]]]:
+        """Groups of windows that merge, as (result, members); singletons included."""
+        return [(w, [w]) for w in sorted(set(windows))]
+
+
+class GlobalWindows(WindowFn):
+    def assign(self, ts: int) -> list[Window]:
+        return [GLOBAL_WINDOW]
+
+
+class FixedWindows(WindowFn):
+    def __init__(self, size: Any, offset: Any = 0) -> None:
+        self.size = parse_duration(size)
+        self.offset = parse_duration(offset) % self.size
+
+    def assign(self, ts: int) -> list[Window]:
+        start = ts - (ts - self.offset) % self.size
+        return [Window(start, start + self.size)]
+
+
+class SlidingWindows(WindowFn):
+    def __init__(self, size: Any, period: Any, offset: Any = 0) -> None:
+        self.size = parse_duration(size)
+        self.period = parse_duration(period)
+        self.offset = parse_duration(offset) % self.period
+
+    def assign(self, ts: int) -> list[Window]:
+        last_start = ts - (ts - self.offset) % self.period
+        out = []
+        start = last_start
+        while start > ts - self.size:
+            out.append(Window(start, start + self.size))
+            start -= self.period
+        return sorted(out)
+
+
+class Sessions(WindowFn):
+    """Each element opens [t, t + gap); overlapping windows of a key merge into one session."""
+
+    merging = True
+
+    def __init__(self, gap: Any) -> None:
+        self.gap = parse_duration(gap)
+
+    def assign(self, ts: int) -> list[Window]:
+        return [Window(ts, ts + self.gap)]
+
+    def merge(self, windows: list[Window]) -> list[tuple[Window, list[Window]]]:
+        groups: list[tuple[Window, list[Window]]] = []
+        for w in sorted(set(windows)):
+            if groups and groups[-1][0].intersects(w):
+                span, members = groups[-1]
+                groups[-1] = (span.span(w), members + [w])
+            else:
+                groups.append((w, [w]))
+        return groups
+
+
+def window_fn(config: dict[str, Any]) -> WindowFn:
+    """Build the window function named by a pipeline's ``window:`` block."""
+    cfg = dict(config)
+    kind = cfg.pop("type", "global")
+    if kind == "global":
+        return GlobalWindows()
+    if kind == "fixed":
+        return FixedWindows(**cfg)
+    if kind == "sliding":
+        return SlidingWindows(**cfg)
+    if kind == "sessions":
+        return Sessions(**cfg)
+    if kind == "custom":
+        module, _, name = cfg.pop("class").partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        if not (isinstance(cls, type) and issubclass(cls, WindowFn)):
+            raise ValueError(f"{module}:{name} is not a millpond.windows.WindowFn")
+        return cls(**cfg)
+    raise ValueError(f"unknown window type {kind!r}: use global, fixed, sliding, sessions or custom")
