@@ -31,7 +31,7 @@ from .objectstore import ObjectStore
 from .panes import TS, Pane, panes_table
 from .pipeline import PipelineSpec, pipeline_from_dict
 from .state import WINDOWS_SCHEMA, WindowState
-from .tables import Tables, Txn
+from .tables import Tables, Txn, sql_in, sql_ts
 from .timeutil import MIN_TS, to_datetime, to_us
 from .watermark import advance
 from .windows import Window
@@ -353,23 +353,19 @@ class MicroBatch:
     def _seen(self, version: int | None, ids: list[str]) -> set[str]:
         if version is None or not ids:
             return set()
-        t = self.tables.read_arrow(self.name, "seen_ids", version=version, columns=["id"],
-                                   filters=pc.field("id").isin(pa.array(ids, pa.string())))
+        t = self.tables.select(self.name, "seen_ids", sql_in("id", ids), columns=["id"], version=version)
         return set(t.column("id").to_pylist())
 
     def _state(self, version: int | None, keys: list[str], clock: BatchClock) -> pa.Table:
         """Only the windows of touched keys and of windows whose timers are due."""
         if version is None:
             return WINDOWS_SCHEMA.empty_table()
-        due = (pc.field("event_timer") <= pa.scalar(clock.watermark, pa.int64()).cast(TS)) | (
-            pc.field("ptime_timer") <= pa.scalar(clock.processing_time, pa.int64()).cast(TS))
-        flt = due | pc.field("key").isin(pa.array(keys, pa.string())) if keys else due
-        due_keys = self.tables.read_arrow(self.name, "windows", version=version, columns=["key"], filters=flt)
+        due = (f"event_timer <= {sql_ts(clock.watermark)} OR ptime_timer <= {sql_ts(clock.processing_time)}")
+        due_keys = self.tables.select(self.name, "windows", due, columns=["key"], version=version)
         all_keys = sorted(set(keys) | set(due_keys.column("key").to_pylist()))
         if not all_keys:
             return WINDOWS_SCHEMA.empty_table()
-        return self.tables.read_arrow(self.name, "windows", version=version,
-                                      filters=pc.field("key").isin(pa.array(all_keys, pa.string())))
+        return self.tables.select(self.name, "windows", sql_in("key", all_keys), version=version)
 
     def _commit(self, batch: int, txn: Txn, clock: BatchClock, rows: list[tuple], accepted: list[tuple],
                 bad: list[tuple], max_et: int | None, nfiles: int, duplicates: int, state_read: int,
@@ -441,7 +437,8 @@ class MicroBatch:
                  "ptime_timer": _ts(r["ptime_timer"] for r in state_rows),
                  "batch": pa.array([batch] * len(state_rows), pa.int64()),
                  "deleted": pa.array([r["deleted"] for r in state_rows], pa.bool_())}, schema=WINDOWS_SCHEMA),
-                on=["key", "window_start", "window_end"], delete_when="s.deleted", txn=txn)
+                on=["key", "window_start", "window_end"], delete_when="s.deleted", txn=txn,
+                stats_columns=["key", "window_start", "window_end", "event_timer", "ptime_timer"])
         t.lap("commit")
         counts = {
             "files": nfiles, "input": len(accepted) + duplicates + len(bad), "accepted": len(accepted),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 from deltalake.exceptions import TableNotFoundError
 
 from .config import Settings
@@ -90,16 +90,20 @@ class Tables:
         return self.open(pipeline, name) is not None
 
     def ensure(
-        self, pipeline: str, name: str, schema: pa.Schema, partition_by: Sequence[str] | None = None
+        self, pipeline: str, name: str, schema: pa.Schema, partition_by: Sequence[str] | None = None,
+        stats_columns: Sequence[str] | None = None,
     ) -> DeltaTable:
+        """Open or create. ``stats_columns`` limits file statistics to the columns readers filter on
+        (large JSON columns get none: cheaper commits, and truncated string stats stay out of pruning)."""
         dt = self.open(pipeline, name)
         if dt is not None:
             return dt
         uri = self.uri(pipeline, name)
+        config = {"delta.dataSkippingStatsColumns": ",".join(stats_columns)} if stats_columns else None
         try:
             return DeltaTable.create(
                 uri, schema, mode="ignore", partition_by=list(partition_by) if partition_by else None,
-                storage_options=self.options, name=f"{pipeline}.{name}",
+                storage_options=self.options, name=f"{pipeline}.{name}", configuration=config,
             )
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, uri) from exc
@@ -125,6 +129,35 @@ class Tables:
             return dt.to_pyarrow_dataset().to_table(filter=filters, columns=columns)
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, self.uri(pipeline, name)) from exc
+
+    def select(
+        self,
+        pipeline: str,
+        name: str,
+        where: str | None = None,
+        *,
+        columns: list[str] | None = None,
+        version: int | str | None = None,
+        schema: pa.Schema | None = None,
+    ) -> pa.Table:
+        """Rows matching a SQL predicate, through DataFusion (file pruning on Delta statistics).
+
+        Preferred over pyarrow filters: files written by MERGE hold ``string_view`` columns, which
+        pyarrow's statistics pruning cannot compare with plain strings.
+        """
+        dt = self.open(pipeline, name, version)
+        if dt is None:
+            if schema is None:
+                raise MillpondError(f"table {pipeline}.{name} does not exist yet")
+            return schema.empty_table() if columns is None else schema.empty_table().select(columns)
+        cols = ", ".join(f'"{c}"' for c in columns) if columns else "*"
+        sql = f"SELECT {cols} FROM t" + (f" WHERE {where}" if where else "")
+        try:
+            reader = QueryBuilder().register("t", dt).execute(sql)
+            table = pa.RecordBatchReader.from_stream(reader).read_all()
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, self.uri(pipeline, name)) from exc
+        return plain_strings(table)
 
     def read_spark(self, spark, pipeline: str, name: str, **kwargs):
         """A Spark DataFrame of the table (read through delta-rs, handed over as Arrow)."""
@@ -183,6 +216,7 @@ class Tables:
         delete_when: str | None = None,
         txn: Txn | None = None,
         partition_by: Sequence[str] | None = None,
+        stats_columns: Sequence[str] | None = None,
     ) -> dict[str, Any] | None:
         """Upsert ``source`` by the ``on`` columns in one Delta commit.
 
@@ -190,7 +224,7 @@ class Tables:
         row instead of updating it. Returns the merge metrics, or None if ``txn`` was already applied.
         """
         uri = self.uri(pipeline, name)
-        dt = self.ensure(pipeline, name, source.schema, partition_by)
+        dt = self.ensure(pipeline, name, source.schema, partition_by, stats_columns)
         if self.already_applied(dt, txn):
             return None
         predicate = " AND ".join(f"t.`{c}` = s.`{c}`" for c in on)
@@ -215,3 +249,26 @@ class Tables:
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, self.uri(pipeline, name)) from exc
         return True
+
+
+def plain_strings(table: pa.Table) -> pa.Table:
+    """Cast ``string_view`` columns (DataFusion's and MERGE's output) to ``string`` for every consumer."""
+    fields = [pa.field(f.name, pa.string(), f.nullable) if pa.types.is_string_view(f.type) else f
+              for f in table.schema]
+    return table.cast(pa.schema(fields)) if fields != list(table.schema) else table
+
+
+def sql_str(value: str) -> str:
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def sql_in(column: str, values: Sequence[str]) -> str:
+    """``column IN (...)`` for a list of strings (FALSE when empty)."""
+    if not values:
+        return "FALSE"
+    return f'"{column}" IN (' + ", ".join(sql_str(v) for v in values) + ")"
+
+
+def sql_ts(us: int) -> str:
+    """A timestamp literal from microseconds since the epoch."""
+    return f"to_timestamp_micros({int(us)})"
