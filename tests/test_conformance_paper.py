@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from millpond.pipeline import pipeline_from_dict
 from millpond.replay import read_events, replay
 

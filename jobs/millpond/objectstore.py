@@ -125,12 +125,15 @@ class ObjectStore:
 
     def upload_dir(self, bucket: str, prefix: str, root) -> int:
         """Upload a local folder (e.g. Data Docs) under ``prefix``; return the number of files."""
+        import mimetypes
         from pathlib import Path
 
         n = 0
         for path in sorted(Path(root).rglob("*")):
             if path.is_file():
                 key = f"{prefix.rstrip('/')}/{path.relative_to(root).as_posix()}"
-                self._call(self.mc.fput_object, bucket, key, str(path), bucket=bucket)
+                # A content type per file so the site is browsable straight from the bucket.
+                ctype = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+                self._call(self.mc.fput_object, bucket, key, str(path), content_type=ctype, bucket=bucket)
                 n += 1
         return n
