@@ -80,8 +80,9 @@ def test_rerun_is_skipped_and_files_are_taken_once(settings, tables, pipeline_na
                                "watermark": {"policy": "processing_time", "lag": "0s"}})
     store = ObjectStore(settings)
     store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{ARRIVAL}-a.jsonl", (ev(1) + "\n").encode())
-    first = run_batch(settings, spec, P)
+    first = run_batch(settings, spec, P, validate=True)
     assert not first.skipped and first.counts["accepted"] == 1
+    assert first.quality.ok and "validation" in first.phases  # GX ran before the commit
     again = run_batch(settings, spec, P)  # an Airflow retry of the same interval
     assert again.skipped and again.batch == 1
     # The same file uploaded again under another name: its ids are deduplicated.

@@ -84,6 +84,8 @@ class BatchResult:
     counts: dict[str, int] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
     skipped: bool = False
+    #: the data-quality report (millpond.quality.QualityReport) when the batch was validated
+    quality: Any = None
 
     def summary(self) -> str:
         if self.skipped:
@@ -224,8 +226,10 @@ def _run_spark(spark, spec_json: str, clock: BatchClock, elements: list[Element]
 class MicroBatch:
     """One batch of one pipeline at one processing time."""
 
-    def __init__(self, settings: Settings, spec: PipelineSpec, spark=None) -> None:
+    def __init__(self, settings: Settings, spec: PipelineSpec, spark=None, validate: bool = False) -> None:
         self.settings = settings
+        self.validate = validate
+        self.quality = None
         self.spec = spec
         self.spark = spark
         self.tables = Tables(settings)
@@ -404,6 +408,9 @@ class MicroBatch:
                 by_window[k] = r
         state_rows = [by_window[k] for k in sorted(by_window)]
         t.lap("assemble")
+        if self.validate:
+            self._validate(batch, clock, accepted, panes, state_rows, pane_type)
+            t.lap("validation")
 
         name = self.name
         if bad:
@@ -454,6 +461,40 @@ class MicroBatch:
         self.tables.append(name, "batches", pa.Table.from_arrays(arrays, schema=schema), txn=txn)
         return counts
 
+    def _validate(self, batch: int, clock: BatchClock, accepted: list[tuple], panes: list[Pane],
+                  state_rows: list[dict[str, Any]], pane_type: str) -> None:
+        """Great Expectations on what this batch read, will emit and will keep; critical stops it here,
+        before anything is published."""
+        import pandas as pd
+
+        from .quality import validate_batch
+
+        raw = pd.DataFrame({"id": [r[0] for r in accepted], "key": [r[1] for r in accepted],
+                            "value": [r[2] for r in accepted],
+                            "event_time": pd.to_datetime([r[3] for r in accepted], unit="us", utc=True)})
+        pane_df = panes_table(panes, pane_type).to_pandas()
+        live = [r for r in state_rows if not r["deleted"]]
+        state_df = pd.DataFrame({
+            "key": [r["key"] for r in live], "state": [r["state"] for r in live],
+            "window_start": pd.to_datetime([r["window_start"] for r in live], unit="us", utc=True),
+            "window_end": pd.to_datetime([r["window_end"] for r in live], unit="us", utc=True),
+            "event_timer": pd.to_datetime([r["event_timer"] for r in live], unit="us", utc=True),
+            "ptime_timer": pd.to_datetime([r["ptime_timer"] for r in live], unit="us", utc=True),
+            "batch": [batch] * len(live)})
+        retracted_keys = sorted({p.key for p in panes if p.kind == "retraction"})
+        prior = self.tables.select(self.name, "panes", sql_in("key", retracted_keys),
+                                   schema=pa.schema([("key", pa.string())])).to_pandas() if retracted_keys else None
+        report = validate_batch(self.settings, self.name, batch, raw=raw, panes=pane_df, state=state_df,
+                                prior_panes=prior, processing_time=to_datetime(clock.processing_time),
+                                window_type=self.spec.window.get("type"))
+        self.quality = report
+        if not report.ok:
+            where = f"; see {report.result_urls[0]}" if report.result_urls else ""
+            raise MillpondError(
+                f"{self.name} batch {batch} failed critical data-quality checks, nothing was published: "
+                + "; ".join(report.critical_failures[:3]) + where
+            )
+
     def _commit_current(self, batch: int, txn: Txn, panes: list[Pane], gone: list[tuple[str, int, int]],
                         pane_type: str) -> None:
         """The current view: latest value per (key, window); merged-away sessions deleted."""
@@ -483,6 +524,13 @@ class MicroBatch:
 
 
 def run_batch(settings: Settings, spec: PipelineSpec, processing_time: datetime | int | str, *,
-              watermark: datetime | int | str | None = None, spark=None) -> BatchResult:
-    """One micro-batch of ``spec`` at ``processing_time`` (idempotent; see module docstring)."""
-    return MicroBatch(settings, spec, spark).run(processing_time, watermark)
+              watermark: datetime | int | str | None = None, spark=None, validate: bool = False) -> BatchResult:
+    """One micro-batch of ``spec`` at ``processing_time`` (idempotent; see module docstring).
+
+    ``validate`` runs the Great Expectations suites before anything is committed (the DAGs and
+    `millpond run` do; replays skip it unless asked).
+    """
+    job = MicroBatch(settings, spec, spark, validate=validate)
+    result = job.run(processing_time, watermark)
+    result.quality = job.quality
+    return result

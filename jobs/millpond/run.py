@@ -35,7 +35,7 @@ def run_direct(settings: Settings, specs: list[PipelineSpec], batches: int, spar
             if spec.demo:
                 land_demo_events(settings, spec, start, end)
             t = time.perf_counter()
-            result = run_batch(settings, spec, end, spark=spark)
+            result = run_batch(settings, spec, end, spark=spark, validate=True)
             print(f"  [{i}/{len(intervals)}] {result.summary()} ({time.perf_counter() - t:.1f}s)")
 
 
