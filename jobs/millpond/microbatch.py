@@ -11,6 +11,8 @@ application transaction (pipeline, batch) so a retried batch never applies anyth
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -27,6 +29,7 @@ from .config import Settings
 from .engine import BatchClock, Element, process_key, timers
 from .errors import MillpondError
 from .ingest import LandingFile, file_arrival, parse_file
+from .lease import Lease
 from .objectstore import ObjectStore
 from .panes import TS, Pane, panes_table
 from .pipeline import PipelineSpec, pipeline_from_dict
@@ -70,9 +73,31 @@ BATCHES_SCHEMA = pa.schema(
         ("retractions", pa.int64()),
         ("state_rows_read", pa.int64()),
         ("phases", pa.string()),
+        ("versions", pa.string()),
     ]
 )
 STATE_TABLES = ("windows", "seen_ids")
+OUTPUT_TABLES = ("panes", "current", "late", "quarantine", "windows", "seen_ids", "ingest_log")
+
+
+def crash_point(step: str, batch: int) -> None:
+    """Fault injection for the exactly-once tests: ``MILLPOND_CRASH_AFTER=<step>`` (and optionally
+    ``MILLPOND_CRASH_BATCH=<n>``) kills the process with SIGKILL, no cleanup, right after that commit."""
+    if os.environ.get("MILLPOND_CRASH_AFTER") == step and os.environ.get("MILLPOND_CRASH_BATCH", str(batch)) == str(
+        batch
+    ):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("MILLPOND_PAUSE_AFTER") == step:  # a slow run, for the single-writer tests
+        time.sleep(float(os.environ.get("MILLPOND_PAUSE_S", "5")))
+
+
+def committed_versions(tables: Tables, pipeline: str) -> dict[str, int]:
+    """Table versions as of the last committed batch: read at these, a reader never sees half a batch."""
+    done = tables.read_arrow(pipeline, "batches", schema=BATCHES_SCHEMA, columns=["batch", "versions"])
+    if not done.num_rows:
+        return {}
+    last = max(done.to_pylist(), key=lambda r: r["batch"])
+    return json.loads(last["versions"] or "{}")
 
 
 @dataclass
@@ -268,6 +293,19 @@ class MicroBatch:
 
     # the run -----------------------------------------------------------------------------------
     def run(self, processing_time: datetime | int | str, watermark: datetime | int | str | None = None) -> BatchResult:
+        self.lease = Lease.acquire(self.settings, self.name)
+        try:
+            return self._run(processing_time, watermark)
+        finally:
+            self.lease.release()
+
+    def _step(self, name: str, write) -> None:
+        """One commit: only while this run still holds the lease; a crash point after it."""
+        self.lease.check()
+        write()
+        crash_point(name, self.batch)
+
+    def _run(self, processing_time: datetime | int | str, watermark: datetime | int | str | None) -> BatchResult:
         P = to_us(processing_time)
         t = _Timer()
         done = self.committed()
@@ -282,7 +320,7 @@ class MicroBatch:
                 f"{self.name}: processing time {to_datetime(P).isoformat()} is before the last committed batch "
                 f"({prev['processing_time'].isoformat()}); batches run in order"
             )
-        batch = last + 1
+        batch = self.batch = last + 1
         txn = self.txn(batch)
         w_in = to_us(prev["watermark"]) if prev else MIN_TS
         max_et_prev = to_us(prev["max_event_time"]) if prev and prev["max_event_time"] is not None else None
@@ -293,10 +331,10 @@ class MicroBatch:
             files = self.pending_files(P)
             versions = {name: self.tables.version(self.name, name) for name in STATE_TABLES}
             plan = {"files": [f.key for f in files], "arrivals": [f.arrival for f in files], "versions": versions}
-            self.tables.append(self.name, "ingest_log", pa.Table.from_arrays([
+            self._step("ingest_log", lambda: self.tables.append(self.name, "ingest_log", pa.Table.from_arrays([
                 pa.array([batch], pa.int64()), _ts([P]), pa.array([plan["files"]], pa.list_(pa.string())),
                 pa.array([plan["arrivals"]], pa.list_(pa.int64())),
-                pa.array([json.dumps(versions, sort_keys=True)])], schema=PLAN_SCHEMA), txn=txn)
+                pa.array([json.dumps(versions, sort_keys=True)])], schema=PLAN_SCHEMA), txn=txn))
         t.lap("plan")
 
         # Ingest: read and parse the planned files (in parallel), quarantine bad rows.
@@ -414,28 +452,28 @@ class MicroBatch:
 
         name = self.name
         if bad:
-            self.tables.append(name, "quarantine", pa.table(
+            self._step("quarantine", lambda: self.tables.append(name, "quarantine", pa.table(
                 {"source_file": [b[0] for b in bad], "line": pa.array([b[1] for b in bad], pa.int64()),
                  "raw": [b[2] for b in bad], "reason": [b[3] for b in bad],
-                 "batch": pa.array([batch] * len(bad), pa.int64())}, schema=QUARANTINE_SCHEMA), txn=txn)
+                 "batch": pa.array([batch] * len(bad), pa.int64())}, schema=QUARANTINE_SCHEMA), txn=txn))
         if accepted:
-            self.tables.append(name, "seen_ids", pa.table(
+            self._step("seen_ids", lambda: self.tables.append(name, "seen_ids", pa.table(
                 {"id": [r[0] for r in accepted], "event_time": _ts(r[3] for r in accepted),
-                 "batch": pa.array([batch] * len(accepted), pa.int64())}, schema=SEEN_SCHEMA), txn=txn)
+                 "batch": pa.array([batch] * len(accepted), pa.int64())}, schema=SEEN_SCHEMA), txn=txn))
         if late_rows:
             schema = late_schema(value_type)
-            self.tables.append(name, "late", pa.table(
+            self._step("late", lambda: self.tables.append(name, "late", pa.table(
                 {"id": [r["id"] for r in late_rows], "key": [r["key"] for r in late_rows],
                  "value": pa.array([r["value"] for r in late_rows], schema.field("value").type),
                  "event_time": _ts(r["event_time"] for r in late_rows),
                  "arrival_time": _ts(r["arrival_time"] for r in late_rows),
                  "reason": [r["reason"] for r in late_rows],
-                 "batch": pa.array([batch] * len(late_rows), pa.int64())}, schema=schema), txn=txn)
+                 "batch": pa.array([batch] * len(late_rows), pa.int64())}, schema=schema), txn=txn))
         if panes:
-            self.tables.append(name, "panes", panes_table(panes, pane_type), txn=txn)
+            self._step("panes", lambda: self.tables.append(name, "panes", panes_table(panes, pane_type), txn=txn))
         self._commit_current(batch, txn, panes, gone, pane_type)
         if state_rows:
-            self.tables.merge(name, "windows", pa.table(
+            self._step("windows", lambda: self.tables.merge(name, "windows", pa.table(
                 {"key": [r["key"] for r in state_rows],
                  "window_start": _ts(r["window_start"] for r in state_rows),
                  "window_end": _ts(r["window_end"] for r in state_rows),
@@ -445,7 +483,7 @@ class MicroBatch:
                  "batch": pa.array([batch] * len(state_rows), pa.int64()),
                  "deleted": pa.array([r["deleted"] for r in state_rows], pa.bool_())}, schema=WINDOWS_SCHEMA),
                 on=["key", "window_start", "window_end"], delete_when="s.deleted", txn=txn,
-                stats_columns=["key", "window_start", "window_end", "event_timer", "ptime_timer"])
+                stats_columns=["key", "window_start", "window_end", "event_timer", "ptime_timer"]))
         t.lap("commit")
         counts = {
             "files": nfiles, "input": len(accepted) + duplicates + len(bad), "accepted": len(accepted),
@@ -455,10 +493,12 @@ class MicroBatch:
         }
         marker = {"batch": batch, "processing_time": clock.processing_time, "watermark": clock.watermark,
                   "input_watermark": clock.input_watermark, "max_event_time": max_et, **counts,
-                  "phases": json.dumps({k: round(v, 4) for k, v in t.phases.items()})}
+                  "phases": json.dumps({k: round(v, 4) for k, v in t.phases.items()}),
+                  "versions": json.dumps({n: self.tables.version(name, n) for n in OUTPUT_TABLES}, sort_keys=True)}
         schema = BATCHES_SCHEMA
         arrays = [(_ts([marker[f.name]]) if f.type == TS else pa.array([marker[f.name]], f.type)) for f in schema]
-        self.tables.append(name, "batches", pa.Table.from_arrays(arrays, schema=schema), txn=txn)
+        self._step("batches", lambda: self.tables.append(name, "batches", pa.Table.from_arrays(arrays, schema=schema),
+                                                        txn=txn))
         return counts
 
     def _validate(self, batch: int, clock: BatchClock, accepted: list[tuple], panes: list[Pane],
@@ -520,7 +560,8 @@ class MicroBatch:
             "pane_index": pa.array([r[4] for r in rows], pa.int64()), "timing": [r[5] for r in rows],
             "batch": pa.array([batch] * len(rows), pa.int64()), "deleted": pa.array([r[6] for r in rows], pa.bool_()),
         }, schema=schema)
-        self.tables.merge(self.name, "current", table, on=on, delete_when="s.deleted", txn=txn)
+        self._step("current", lambda: self.tables.merge(self.name, "current", table, on=on, delete_when="s.deleted",
+                                                        txn=txn))
 
 
 def run_batch(settings: Settings, spec: PipelineSpec, processing_time: datetime | int | str, *,

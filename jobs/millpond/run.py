@@ -63,3 +63,31 @@ def _run(args: argparse.Namespace) -> int:
     print("Try:   make query SQL=\"SELECT key, window_start, value, timing FROM video_sessions.current "
           "ORDER BY value DESC LIMIT 10\"")
     return 0
+
+
+def _configure_batch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("pipeline", help="a pipeline name from conf/pipelines, or a path to a pipeline YAML")
+    p.add_argument("--at", required=True, help="the batch's processing time (ISO-8601)")
+    p.add_argument("--watermark", help="an explicit watermark for this batch (default: the pipeline's policy)")
+    p.add_argument("--validate", action="store_true", help="run the data-quality suites before committing")
+
+
+@command("batch", "run one micro-batch of a pipeline at a processing time (idempotent)", _configure_batch)
+def _batch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .errors import MillpondError
+    from .pipeline import load_pipeline
+
+    settings = load_settings()
+    if Path(args.pipeline).suffix in (".yaml", ".yml"):
+        spec = load_pipeline(args.pipeline)
+    else:
+        specs = load_pipelines(settings.conf_dir)
+        if args.pipeline not in specs:
+            raise MillpondError(f"unknown pipeline {args.pipeline}: have {', '.join(specs)}")
+        spec = specs[args.pipeline]
+    result = run_batch(settings, spec, to_datetime(to_us(args.at)), validate=args.validate,
+                       watermark=to_datetime(to_us(args.watermark)) if args.watermark else None)
+    print(result.summary())
+    return 0

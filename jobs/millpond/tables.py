@@ -57,6 +57,8 @@ def _wrap(exc: Exception, uri: str) -> MillpondError:
         return MillpondError(f"object store unreachable while accessing {uri}: start it with `make up` ({text[:160]})")
     if "invalidaccesskeyid" in lowered or "signaturedoesnotmatch" in lowered or "403" in lowered:
         return MillpondError(f"object store refused the credentials for {uri}: check MILLPOND_S3_ACCESS_KEY/SECRET_KEY")
+    if "concurrent" in lowered or "conflict" in lowered or "version already exists" in lowered:
+        return MillpondError(f"concurrent commit to {uri}: another run of this pipeline committed first ({text[:160]})")
     if "nosuchbucket" in lowered:
         return MillpondError(f"bucket missing for {uri}: run `make up` (creates the buckets)")
     return MillpondError(f"Delta operation on {uri} failed: {text[:300]}")
