@@ -7,10 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from .aggregations import Combiner
 from .panes import Kind, Pane, Timing
 from .state import WindowState
+
+if TYPE_CHECKING:
+    from .engine import BatchClock
 
 
 class Accumulation(StrEnum):
@@ -29,11 +33,15 @@ class Accumulation(StrEnum):
             ) from None
 
 
-def timing_of(ws: WindowState, watermark: int) -> Timing:
-    """EARLY before the watermark passes the window; the first pane after it is ON_TIME; then LATE."""
+def timing_of(ws: WindowState, input_watermark: int, watermark: int) -> Timing:
+    """EARLY before the watermark passes the window's end; ON_TIME for the pane fired in the batch
+    whose watermark passes it (once); LATE for every pane after that, including the first pane of a
+    window whose end the watermark had passed before it ever fired (Beam's rule)."""
     if watermark < ws.window.end:
         return Timing.EARLY
-    return Timing.LATE if ws.on_time_emitted else Timing.ON_TIME
+    if ws.on_time_emitted or input_watermark >= ws.window.end:
+        return Timing.LATE
+    return Timing.ON_TIME
 
 
 def emit(
@@ -42,12 +50,12 @@ def emit(
     comb: Combiner,
     *,
     key: str,
-    watermark: int,
+    clock: BatchClock,
     is_last: bool,
     make: Callable[..., Pane],
 ) -> list[Pane]:
     """Panes for one firing, retractions first; mutates ``ws`` (pane index, accumulator, history)."""
-    timing = timing_of(ws, watermark)
+    timing = timing_of(ws, clock.input_watermark, clock.watermark)
     value = comb.extract(ws.acc)
     out: list[Pane] = []
     if mode is Accumulation.RETRACTING:

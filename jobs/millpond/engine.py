@@ -107,8 +107,11 @@ def process_key(
             if gc_time(w, strategy.allowed_lateness) <= clock.input_watermark:
                 result.late.append((el, "beyond allowed lateness"))
                 continue
-            closed = [ws for ws in live.values() if ws.closed and ws.window.intersects(w)]
-            if closed and (wfn.merging or w in live):
+            if wfn.merging:
+                closed = any(ws.closed and ws.window.intersects(w) for ws in live.values())
+            else:
+                closed = w in live and live[w].closed
+            if closed:
                 result.late.append((el, "window closed"))
                 continue
             assigned.append((el, w))
@@ -179,11 +182,10 @@ def process_key(
                 if finished:
                     trig.set_finished(ctx, "0")
                     ws.closed = True
-                result.panes += emit(ws, mode, comb, key=key, watermark=clock.watermark,
-                                     is_last=finished or gc_due, make=make)
+                result.panes += emit(ws, mode, comb, key=key, clock=clock, is_last=finished or gc_due, make=make)
             elif gc_due and ws.unfired > 0:
                 fired = True
-                result.panes += emit(ws, mode, comb, key=key, watermark=clock.watermark, is_last=True, make=make)
+                result.panes += emit(ws, mode, comb, key=key, clock=clock, is_last=True, make=make)
         if gc_due:
             result.deletes.append(w)
         elif w in touched or fired:
