@@ -35,10 +35,13 @@ from .panes import TS, Pane, panes_table
 from .pipeline import PipelineSpec, pipeline_from_dict
 from .state import WINDOWS_SCHEMA, WindowState
 from .tables import Tables, Txn, sql_in, sql_ts
-from .timeutil import MIN_TS, to_datetime, to_us
+from .timeutil import MIN_TS, parse_duration, to_datetime, to_us
 from .watermark import advance
 from .windows import Window
 
+INPROGRESS = ".inprogress"
+#: dedup ids past the horizon are dropped every this many batches (one small delete commit)
+EXPIRE_EVERY = 10
 #: below this many new elements the per-key step runs in the driver (same code, no Spark job)
 LOCAL_THRESHOLD = 5_000
 
@@ -280,16 +283,20 @@ class MicroBatch:
         log = self.tables.read_arrow(self.name, "ingest_log", schema=PLAN_SCHEMA, columns=["files"])
         return {f for files in log.column("files").to_pylist() for f in files}
 
-    def pending_files(self, processing_time: int) -> list[LandingFile]:
+    def pending_files(self, processing_time: int) -> tuple[list[LandingFile], int | None]:
+        """Finished files to take now, and the arrival of the oldest file still being written."""
         taken = self.taken_files()
         out = []
+        unfinished: list[int] = []
         for obj in self.store.list(self.settings.bucket_landing, self.spec.source_prefix):
-            if obj.key in taken or not obj.key.endswith((".jsonl", ".json")):
-                continue
             arrival = file_arrival(obj)
-            if arrival < processing_time:
+            if arrival >= processing_time:
+                continue
+            if obj.key.endswith(INPROGRESS):
+                unfinished.append(arrival)
+            elif obj.key not in taken and obj.key.endswith((".jsonl", ".json")):
                 out.append(LandingFile(obj.key, arrival, obj.size, obj.etag))
-        return sorted(out, key=lambda f: (f.arrival, f.key))
+        return sorted(out, key=lambda f: (f.arrival, f.key)), min(unfinished, default=None)
 
     # the run -----------------------------------------------------------------------------------
     def run(self, processing_time: datetime | int | str, watermark: datetime | int | str | None = None) -> BatchResult:
@@ -328,8 +335,9 @@ class MicroBatch:
         # Plan: written first; a rerun of a crashed batch finds it and redoes exactly the same work.
         plan = self.plan_of(batch)
         if plan is None:
-            files = self.pending_files(P)
+            files, oldest_pending = self.pending_files(P)
             versions = {name: self.tables.version(self.name, name) for name in STATE_TABLES}
+            versions["oldest_pending"] = oldest_pending
             plan = {"files": [f.key for f in files], "arrivals": [f.arrival for f in files], "versions": versions}
             self._step("ingest_log", lambda: self.tables.append(self.name, "ingest_log", pa.Table.from_arrays([
                 pa.array([batch], pa.int64()), _ts([P]), pa.array([plan["files"]], pa.list_(pa.string())),
@@ -346,7 +354,7 @@ class MicroBatch:
         first: dict[str, tuple] = {}
         for r in good:
             first.setdefault(r[0], r)
-        seen = self._seen(plan["versions"].get("seen_ids"), list(first))
+        seen = self._seen(plan["versions"].get("seen_ids"), list(first), [r[3] for r in first.values()])
         accepted = [r for i, r in first.items() if i not in seen]
         duplicates = len(good) - len(accepted)
         t.lap("dedup")
@@ -356,13 +364,47 @@ class MicroBatch:
         if watermark is not None:
             candidate = to_us(watermark)
         else:
-            candidate = self.spec.watermark_policy.candidate(batch_index=batch - 1, processing_time=P,
-                                                             max_event_time=max_et)
+            candidate = self.spec.watermark_policy.candidate(
+                batch_index=batch - 1, processing_time=P, max_event_time=max_et,
+                oldest_pending=plan["versions"].get("oldest_pending"), delays=[r[4] - r[3] for r in accepted])
         w_new = advance(w_in, candidate)
         clock = BatchClock(batch=batch, processing_time=P, input_watermark=w_in, watermark=w_new)
         t.lap("watermark")
 
-        # Windowing and triggers per key.
+        outputs = self.process(batch, txn, clock, accepted, plan, t)
+        name = self.name
+        if bad:
+            self._step("quarantine", lambda: self.tables.append(name, "quarantine", pa.table(
+                {"source_file": [b[0] for b in bad], "line": pa.array([b[1] for b in bad], pa.int64()),
+                 "raw": [b[2] for b in bad], "reason": [b[3] for b in bad],
+                 "batch": pa.array([batch] * len(bad), pa.int64())}, schema=QUARANTINE_SCHEMA), txn=txn))
+        if accepted:
+            self._step("seen_ids", lambda: self.tables.append(name, "seen_ids", pa.table(
+                {"id": [r[0] for r in accepted], "event_time": _ts(r[3] for r in accepted),
+                 "batch": pa.array([batch] * len(accepted), pa.int64())}, schema=SEEN_SCHEMA), txn=txn))
+        self._expire_seen(batch, txn, clock)
+        t.lap("commit")
+        counts = {"files": len(plan["files"]), "input": len(accepted) + duplicates + len(bad),
+                  "accepted": len(accepted), "duplicates": duplicates, "quarantined": len(bad),
+                  "late": 0, "panes": 0, "retractions": 0, "state_rows_read": 0, **outputs}
+        marker = {"batch": batch, "processing_time": P, "watermark": w_new, "input_watermark": w_in,
+                  "max_event_time": max_et, **counts,
+                  "phases": json.dumps({k: round(v, 4) for k, v in t.phases.items()}),
+                  "versions": json.dumps({n: self.tables.version(name, n) for n in self.output_tables},
+                                         sort_keys=True)}
+        arrays = [(_ts([marker[f.name]]) if f.type == TS else pa.array([marker[f.name]], f.type))
+                  for f in BATCHES_SCHEMA]
+        self._step("batches", lambda: self.tables.append(
+            name, "batches", pa.Table.from_arrays(arrays, schema=BATCHES_SCHEMA), txn=txn))
+        return BatchResult(self.name, batch, to_datetime(P), to_datetime(w_new), counts, t.phases)
+
+    # the windowing step ------------------------------------------------------------------------
+    output_tables: tuple[str, ...] = OUTPUT_TABLES
+
+    def process(self, batch: int, txn: Txn, clock: BatchClock, accepted: list[tuple], plan: dict[str, Any],
+                t: _Timer) -> dict[str, int]:
+        """Windows, triggers and panes for the batch's elements; commits its own outputs (a MillWheel
+        computation replaces this step, see ``millpond.computation``). Returns counts for the marker."""
         elements = [Element(r[0], r[1], r[2], r[3], r[4]) for r in accepted]
         keys = sorted({e.key for e in elements})
         state = self._state(plan["versions"].get("windows"), keys, clock)
@@ -372,10 +414,9 @@ class MicroBatch:
         else:
             rows = _run_local(spec_json, clock, elements, state)
         t.lap("windowing")
-
-        counts = self._commit(batch, txn, clock, rows, accepted, bad, max_et, len(plan["files"]),
-                              duplicates, state.num_rows, t)
-        return BatchResult(self.name, batch, to_datetime(P), to_datetime(w_new), counts, t.phases)
+        counts = self._commit(batch, txn, clock, rows, accepted, t)
+        counts["state_rows_read"] = state.num_rows
+        return counts
 
     def _read(self, plan: dict[str, Any], P: int) -> tuple[list[tuple], list[tuple]]:
         def one(item: tuple[str, int]) -> tuple[list[tuple], list[tuple]]:
@@ -392,11 +433,36 @@ class MicroBatch:
                 bad += b
         return good, bad
 
-    def _seen(self, version: int | None, ids: list[str]) -> set[str]:
+    def _seen(self, version: int | None, ids: list[str], event_times: list[int]) -> set[str]:
+        """Ids already accepted by earlier batches. A record id names one event, whose event time does
+        not change: only files whose event-time range overlaps the batch's are read (file statistics)."""
         if version is None or not ids:
             return set()
-        t = self.tables.select(self.name, "seen_ids", sql_in("id", ids), columns=["id"], version=version)
+        where = (f"event_time >= {sql_ts(min(event_times))} AND event_time <= {sql_ts(max(event_times))} AND "
+                 + sql_in("id", ids))
+        t = self.tables.select(self.name, "seen_ids", where, columns=["id"], version=version)
         return set(t.column("id").to_pylist())
+
+    def dedup_horizon(self) -> int | None:
+        """How far behind the watermark a record id must be remembered: past it, a re-delivery is late
+        anyway (its window is beyond allowed lateness) and is dropped and counted as late."""
+        cfg = self.spec.raw.get("dedup") or {}
+        if "horizon" in cfg:
+            return parse_duration(cfg["horizon"])
+        window = self.spec.window
+        span = {"fixed": window.get("size"), "sliding": window.get("size"), "sessions": window.get("gap")}.get(
+            window.get("type", "global"))
+        return None if span is None else self.spec.allowed_lateness + parse_duration(span)
+
+    def _expire_seen(self, batch: int, txn: Txn, clock: BatchClock) -> None:
+        """Dedup state is bounded: every 10th batch drops ids older than watermark - horizon."""
+        horizon = self.dedup_horizon()
+        if horizon is None or batch % EXPIRE_EVERY or clock.watermark - horizon <= 0:
+            return
+        cutoff = clock.watermark - horizon
+        self._step("expire_seen", lambda: self.tables.delete(
+            self.name, "seen_ids", f"event_time < {sql_ts(cutoff)}",
+            txn=Txn(f"{txn.app_id}/expire", txn.version)))
 
     def _state(self, version: int | None, keys: list[str], clock: BatchClock) -> pa.Table:
         """Only the windows of touched keys and of windows whose timers are due."""
@@ -410,7 +476,6 @@ class MicroBatch:
         return self.tables.select(self.name, "windows", sql_in("key", all_keys), version=version)
 
     def _commit(self, batch: int, txn: Txn, clock: BatchClock, rows: list[tuple], accepted: list[tuple],
-                bad: list[tuple], max_et: int | None, nfiles: int, duplicates: int, state_read: int,
                 t: _Timer) -> dict[str, int]:
         value_type = self.spec.value_type
         pane_type = self.spec.pane_value_type
@@ -451,15 +516,6 @@ class MicroBatch:
             t.lap("validation")
 
         name = self.name
-        if bad:
-            self._step("quarantine", lambda: self.tables.append(name, "quarantine", pa.table(
-                {"source_file": [b[0] for b in bad], "line": pa.array([b[1] for b in bad], pa.int64()),
-                 "raw": [b[2] for b in bad], "reason": [b[3] for b in bad],
-                 "batch": pa.array([batch] * len(bad), pa.int64())}, schema=QUARANTINE_SCHEMA), txn=txn))
-        if accepted:
-            self._step("seen_ids", lambda: self.tables.append(name, "seen_ids", pa.table(
-                {"id": [r[0] for r in accepted], "event_time": _ts(r[3] for r in accepted),
-                 "batch": pa.array([batch] * len(accepted), pa.int64())}, schema=SEEN_SCHEMA), txn=txn))
         if late_rows:
             schema = late_schema(value_type)
             self._step("late", lambda: self.tables.append(name, "late", pa.table(
@@ -484,22 +540,8 @@ class MicroBatch:
                  "deleted": pa.array([r["deleted"] for r in state_rows], pa.bool_())}, schema=WINDOWS_SCHEMA),
                 on=["key", "window_start", "window_end"], delete_when="s.deleted", txn=txn,
                 stats_columns=["key", "window_start", "window_end", "event_timer", "ptime_timer"]))
-        t.lap("commit")
-        counts = {
-            "files": nfiles, "input": len(accepted) + duplicates + len(bad), "accepted": len(accepted),
-            "duplicates": duplicates, "late": len(late_rows), "quarantined": len(bad),
-            "panes": sum(1 for p in panes if p.kind == "value"),
-            "retractions": sum(1 for p in panes if p.kind == "retraction"), "state_rows_read": state_read,
-        }
-        marker = {"batch": batch, "processing_time": clock.processing_time, "watermark": clock.watermark,
-                  "input_watermark": clock.input_watermark, "max_event_time": max_et, **counts,
-                  "phases": json.dumps({k: round(v, 4) for k, v in t.phases.items()}),
-                  "versions": json.dumps({n: self.tables.version(name, n) for n in OUTPUT_TABLES}, sort_keys=True)}
-        schema = BATCHES_SCHEMA
-        arrays = [(_ts([marker[f.name]]) if f.type == TS else pa.array([marker[f.name]], f.type)) for f in schema]
-        self._step("batches", lambda: self.tables.append(name, "batches", pa.Table.from_arrays(arrays, schema=schema),
-                                                        txn=txn))
-        return counts
+        return {"late": len(late_rows), "panes": sum(1 for p in panes if p.kind == "value"),
+                "retractions": sum(1 for p in panes if p.kind == "retraction")}
 
     def _validate(self, batch: int, clock: BatchClock, accepted: list[tuple], panes: list[Pane],
                   state_rows: list[dict[str, Any]], pane_type: str) -> None:

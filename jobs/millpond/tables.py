@@ -273,4 +273,4 @@ def sql_in(column: str, values: Sequence[str]) -> str:
 
 def sql_ts(us: int) -> str:
     """A timestamp literal from microseconds since the epoch."""
-    return f"to_timestamp_micros({int(us)})"
+    return f"arrow_cast(to_timestamp_micros({int(us)}), 'Timestamp(Microsecond, Some(\"UTC\"))')"

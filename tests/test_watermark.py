@@ -1,0 +1,85 @@
+"""Low watermarks (MillWheel section 5): policies, monotonicity, the injector's pending files, and
+bounded dedup state expiring behind the watermark."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import pyarrow as pa
+from millpond.ingest import arrival_tag
+from millpond.microbatch import run_batch
+from millpond.objectstore import ObjectStore
+from millpond.pipeline import pipeline_from_dict
+from millpond.timeutil import US, to_us
+from millpond.watermark import WatermarkPolicy, advance
+
+T0 = datetime(2026, 4, 1, 12, 0, tzinfo=UTC)
+
+
+def us(minutes: float) -> int:
+    return to_us(T0 + timedelta(minutes=minutes))
+
+
+def test_policies() -> None:
+    p = WatermarkPolicy.from_config({"policy": "processing_time", "lag": "2m"})
+    assert p.candidate(batch_index=0, processing_time=us(10), max_event_time=None) == us(8)
+    b = WatermarkPolicy.from_config({"policy": "bounded_out_of_orderness", "bound": "30s"})
+    assert b.candidate(batch_index=0, processing_time=us(10), max_event_time=us(9)) == us(8.5)
+    inj = WatermarkPolicy.from_config({"policy": "injector", "bound": "1m"})
+    assert inj.candidate(batch_index=0, processing_time=us(10), max_event_time=None, oldest_pending=us(4)) == us(3)
+    assert inj.candidate(batch_index=0, processing_time=us(10), max_event_time=None) == us(9)
+    pct = WatermarkPolicy.from_config({"policy": "percentile", "percentile": 99})
+    delays = [1 * US] * 99 + [600 * US]  # one straggler ten minutes late
+    assert pct.candidate(batch_index=0, processing_time=us(10), max_event_time=None, delays=delays) == us(10) - US
+    full = WatermarkPolicy.from_config({"policy": "percentile", "percentile": 100})
+    assert full.candidate(batch_index=0, processing_time=us(10), max_event_time=None, delays=delays) == us(0)
+    assert advance(us(5), us(3)) == us(5)  # never backwards
+
+
+def event(i: int, minute: float, arrival: float) -> str:
+    return json.dumps({"id": f"e{i}", "key": "k", "value": 1,
+                       "event_time": (T0 + timedelta(minutes=minute)).isoformat(),
+                       "arrival_time": (T0 + timedelta(minutes=arrival)).isoformat()}) + "\n"
+
+
+def test_injector_watermark_held_by_unfinished_file(settings, tables, pipeline_name) -> None:
+    spec = pipeline_from_dict({"name": pipeline_name, "window": {"type": "fixed", "size": "1m"},
+                               "source": {"prefix": f"{pipeline_name}/"}, "allowed_lateness": "1h",
+                               "watermark": {"policy": "injector", "bound": "10s"}})
+    store = ObjectStore(settings)
+    land = settings.bucket_landing
+    store.put_bytes(land, f"{pipeline_name}/{arrival_tag(us(0.5))}-a.jsonl", event(1, 0.2, 0.5).encode())
+    store.put_bytes(land, f"{pipeline_name}/{arrival_tag(us(1))}-b.jsonl.inprogress", b"")
+    first = run_batch(settings, spec, T0 + timedelta(minutes=3))
+    assert to_us(first.watermark) == us(1) - 10 * US  # held at the unfinished file
+    assert first.counts["files"] == 1
+    store.put_bytes(land, f"{pipeline_name}/{arrival_tag(us(1))}-b.jsonl", event(2, 0.9, 1).encode())
+    store.mc.remove_object(land, f"{pipeline_name}/{arrival_tag(us(1))}-b.jsonl.inprogress")
+    second = run_batch(settings, spec, T0 + timedelta(minutes=4))
+    assert to_us(second.watermark) == us(4) - 10 * US
+    assert second.counts["accepted"] == 1 and second.counts["late"] == 0
+
+
+def test_dedup_state_is_bounded_and_old_redelivery_is_counted_late(settings, tables, pipeline_name) -> None:
+    spec = pipeline_from_dict({"name": pipeline_name, "window": {"type": "fixed", "size": "1m"},
+                               "source": {"prefix": f"{pipeline_name}/"}, "allowed_lateness": "1m",
+                               "watermark": {"policy": "processing_time", "lag": "0s"}})
+    store = ObjectStore(settings)
+    for b in range(10):
+        store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{arrival_tag(us(b))}-{b}.jsonl",
+                        event(b, b + 0.5, b + 0.6).encode())
+        run_batch(settings, spec, T0 + timedelta(minutes=b + 1))
+    seen = tables.read_arrow(pipeline_name, "seen_ids")
+    # Batch 10 (watermark 12:10) expired ids older than 12:10 - (1m lateness + 1m window) = 12:08.
+    assert sorted(seen.column("id").to_pylist()) == ["e8", "e9"]
+    # e1 delivered again: no longer remembered, but its window is past allowed lateness: late, not double.
+    store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{arrival_tag(us(10))}-again.jsonl",
+                    event(1, 1.5, 10.2).encode())
+    result = run_batch(settings, spec, T0 + timedelta(minutes=11))
+    assert result.counts["late"] == 1 and result.counts["accepted"] == 1
+    late = tables.read_arrow(pipeline_name, "late", schema=pa.schema([("id", pa.string())]))
+    assert late.column("id").to_pylist() == ["e1"]
+    assert late.column("reason").to_pylist() == ["beyond allowed lateness"]
+    values = tables.read_arrow(pipeline_name, "current").column("value").to_pylist()
+    assert sum(values) == 10  # ten events counted once each
