@@ -5,8 +5,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 MILLPOND := $(PY) -m millpond
 STAMP := $(VENV)/.installed
+ASSETS := var/datadocs-assets
+ASSETS_STAMP := $(ASSETS)/.installed
 
-.PHONY: run test venv up down status lint bench query report docs backfill clean
+.PHONY: run test venv up down status lint bench query report docs backfill clean datadocs-assets
 
 run: venv ## set everything up and run the main job on the embedded defaults
 	@$(MILLPOND) preflight
@@ -17,7 +19,7 @@ test: venv ## the whole suite (real S3 server, Delta tables, Spark, Airflow)
 	$(VENV)/bin/ruff check jobs dags tests
 	$(PY) -m pytest
 
-venv: $(STAMP)
+venv: $(STAMP) $(ASSETS_STAMP)
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "millpond: error: $(PYTHON) not found: install Python 3.11 or run 'make PYTHON=/path/to/python3.11'"; exit 1; }
@@ -26,6 +28,15 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m pip install --quiet -r requirements.lock
 	$(PY) -m pip install --quiet --no-deps -e .
 	@touch $(STAMP)
+
+datadocs-assets: $(ASSETS_STAMP) ## CSS/JS for offline Data Docs (npm, pinned by the lock file)
+
+$(ASSETS_STAMP): infra/datadocs-assets/package.json infra/datadocs-assets/package-lock.json
+	@command -v npm >/dev/null || { echo "millpond: error: npm not found: install Node.js (Debian: apt-get install -y npm)"; exit 1; }
+	@mkdir -p $(ASSETS)
+	cp infra/datadocs-assets/package.json infra/datadocs-assets/package-lock.json $(ASSETS)/
+	cd $(ASSETS) && npm ci --no-audit --no-fund --ignore-scripts --loglevel=error
+	@touch $(ASSETS_STAMP)
 
 up: venv ## start the embedded services (idempotent)
 	@$(MILLPOND) up
@@ -44,6 +55,17 @@ bench: venv
 
 query: venv
 	@$(MILLPOND) query "$(SQL)"
+
+report: venv ## build the stream reports (PIPELINE=name for one), print and open the latest
+	@$(MILLPOND) report $(if $(PIPELINE),--pipeline $(PIPELINE))
+	@page=$$($(MILLPOND) report --latest) && echo "latest report: $$page" && \
+	  { [ -n "$$DISPLAY" ] && command -v xdg-open >/dev/null && xdg-open "$$page" >/dev/null 2>&1 || true; }
+
+docs: venv ## build the Data Docs and serve them on 127.0.0.1 (PORT=8765)
+	$(MILLPOND) docs --port $(or $(PORT),8765)
+
+backfill: venv ## re-run a pipeline's batches through Airflow: make backfill PIPELINE=x FROM=2026-01-01T00:00Z TO=...
+	@$(MILLPOND) backfill --pipeline "$(PIPELINE)" --from "$(FROM)" --to "$(TO)" $(if $(DEMO),--demo)
 
 clean: down
 	rm -rf var

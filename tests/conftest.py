@@ -77,3 +77,15 @@ def spark(settings: Settings):
 def pipeline_name() -> str:
     """A fresh pipeline name so tests never share tables."""
     return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="session")
+def airflow_stack(settings: Settings, millpond_home: Path):
+    """A running Airflow (api-server, scheduler, dag-processor, triggerer) for the session; stopped after."""
+    from airflow_env import start_test_stack, write_conf_dir
+
+    stack, stack_settings = start_test_stack(write_conf_dir(millpond_home / "airflow-conf"))
+    try:
+        yield stack, stack_settings
+    finally:
+        stack.stop()

@@ -72,7 +72,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def _load_plugins() -> None:
     # Subcommands that live beside the concepts they drive.
-    for module in ("run", "replay", "query", "bench"):
+    for module in ("run", "replay", "query", "bench", "airflow_stack", "backfill", "datadocs", "report"):
         try:
             __import__(f"millpond.{module}")
         except ModuleNotFoundError as exc:

@@ -26,6 +26,10 @@ def _rng(*parts: object) -> random.Random:
 def demo_events(spec: PipelineSpec, start: int, end: int) -> list[dict]:
     """Events arriving in [start, end): bounded disorder, a tail of late events, some duplicates."""
     cfg = spec.demo or {}
+    if cfg.get("generator") == "zeitgeist":  # per-second search traffic with spikes and dips
+        from .zeitgeist import demo_events as zeitgeist_events
+
+        return zeitgeist_events(spec.name, cfg, start, end)
     rng = _rng(spec.name, start, end)
     n = int(cfg.get("events_per_batch", 200))
     keys = int(cfg.get("keys", 20))

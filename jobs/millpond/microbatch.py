@@ -114,10 +114,11 @@ class BatchResult:
     skipped: bool = False
     #: the data-quality report (millpond.quality.QualityReport) when the batch was validated
     quality: Any = None
+    reason: str = ""
 
     def summary(self) -> str:
         if self.skipped:
-            return f"{self.pipeline}: batch at {self.processing_time.isoformat()} already committed (skipped)"
+            return f"{self.pipeline}: batch at {self.processing_time.isoformat()} skipped: {self.reason}"
         c = self.counts
         return (
             f"{self.pipeline} batch {self.batch} @ {self.processing_time.isoformat()}: watermark "
@@ -209,45 +210,48 @@ def _run_local(spec_json: str, clock: BatchClock, elements: list[Element], state
 
 def _run_spark(spark, spec_json: str, clock: BatchClock, elements: list[Element], state: pa.Table,
                value_type: str) -> list[tuple]:
-    import pandas as pd
+    """The per-key step on Spark: elements and state rows hashed by key into partitions, each partition
+    processed by one Python call (``mapInArrow``) that runs ``process_group`` key by key."""
+    vtype = pa.int64() if value_type == "int" else pa.float64()
+    n_ev, n_st = len(elements), state.num_rows
+    combined = pa.table({
+        "key": pa.array([e.key for e in elements] + state.column("key").to_pylist(), pa.string()),
+        "id": pa.array([e.id for e in elements] + [None] * n_st, pa.string()),
+        "value": pa.array([e.value for e in elements] + [None] * n_st, vtype),
+        "event_time": pa.array([e.event_time for e in elements] + [None] * n_st, pa.int64()),
+        "arrival_time": pa.array([e.arrival_time for e in elements] + [None] * n_st, pa.int64()),
+        "window_start": pa.array([None] * n_ev + _us_column(state, "window_start"), pa.int64()),
+        "window_end": pa.array([None] * n_ev + _us_column(state, "window_end"), pa.int64()),
+        "state": pa.array([None] * n_ev + state.column("state").to_pylist(), pa.string()),
+    })
+    partitions = int(spark.conf.get("spark.sql.shuffle.partitions"))
 
-    ev = pa.table(
-        {
-            "key": [e.key for e in elements],
-            "id": [e.id for e in elements],
-            "value": pa.array([e.value for e in elements], pa.int64() if value_type == "int" else pa.float64()),
-            "event_time": pa.array([e.event_time for e in elements], pa.int64()),
-            "arrival_time": pa.array([e.arrival_time for e in elements], pa.int64()),
-        }
-    )
-    st = pa.table(
-        {
-            "key": state.column("key"),
-            "window_start": state.column("window_start").cast(pa.int64()),
-            "window_end": state.column("window_end").cast(pa.int64()),
-            "state": state.column("state"),
-        }
-    ) if state.num_rows else pa.table({"key": pa.array([], pa.string()), "window_start": pa.array([], pa.int64()),
-                                      "window_end": pa.array([], pa.int64()), "state": pa.array([], pa.string())})
-    ev_df = spark.createDataFrame(ev)
-    st_df = spark.createDataFrame(st)
+    def run(batches):
+        batches = list(batches)
+        if not batches:
+            return
+        table = pa.Table.from_batches(batches)
+        cols = {name: table.column(name).to_pylist() for name in table.column_names}
+        by_key: dict[str, tuple[list[Element], list[tuple[int, int, str]]]] = {}
+        for i, key in enumerate(cols["key"]):
+            els, sts = by_key.setdefault(key, ([], []))
+            if cols["state"][i] is None:
+                els.append(Element(cols["id"][i], key, cols["value"][i], cols["event_time"][i],
+                                   cols["arrival_time"][i]))
+            else:
+                sts.append((cols["window_start"][i], cols["window_end"][i], cols["state"][i]))
+        out: list[tuple] = []
+        for key in sorted(by_key):
+            els, sts = by_key[key]
+            out += process_group(spec_json, clock, key, els, sts)
+        yield pa.RecordBatch.from_arrays(
+            [pa.array([r[0] for r in out], pa.string()), pa.array([r[1] for r in out], pa.string()),
+             pa.array([r[2] for r in out], pa.string())], names=["rtype", "key", "payload"])
 
-    def run(left: pd.DataFrame, right: pd.DataFrame) -> pd.DataFrame:
-        key = left["key"].iloc[0] if len(left) else right["key"].iloc[0]
-        els = [Element(i, key, v.item() if hasattr(v, "item") else v, int(t), int(a))
-               for i, v, t, a in zip(left["id"], left["value"], left["event_time"], left["arrival_time"], strict=True)]
-        rows = list(zip(right["window_start"].astype("int64"), right["window_end"].astype("int64"),
-                        right["state"], strict=True))
-        out = process_group(spec_json, clock, key, els, [(int(s), int(e), js) for s, e, js in rows])
-        return pd.DataFrame(out, columns=["rtype", "key", "payload"])
-
-    result = (
-        ev_df.groupBy("key").cogroup(st_df.groupBy("key"))
-        .applyInPandas(run, schema="rtype string, key string, payload string")
-    )
-    table = result.toArrow()
-    return list(zip(table.column("rtype").to_pylist(), table.column("key").to_pylist(),
-                    table.column("payload").to_pylist(), strict=True))
+    result = (spark.createDataFrame(combined).repartition(partitions, "key")
+              .mapInArrow(run, "rtype string, key string, payload string").toArrow())
+    return list(zip(result.column("rtype").to_pylist(), result.column("key").to_pylist(),
+                    result.column("payload").to_pylist(), strict=True))
 
 
 # -- the batch ------------------------------------------------------------------------------------
@@ -319,14 +323,15 @@ class MicroBatch:
         prior = done.filter(pc.field("processing_time") == pa.scalar(P, pa.int64()).cast(TS))
         if prior.num_rows:
             row = prior.to_pylist()[0]
-            return BatchResult(self.name, row["batch"], to_datetime(P), row["watermark"], skipped=True)
+            return BatchResult(self.name, row["batch"], to_datetime(P), row["watermark"], skipped=True,
+                               reason="already committed")
         last = max(done.column("batch").to_pylist(), default=0)
         prev = done.filter(pc.field("batch") == last).to_pylist()[0] if last else None
         if prev and to_us(prev["processing_time"]) > P:
-            raise MillpondError(
-                f"{self.name}: processing time {to_datetime(P).isoformat()} is before the last committed batch "
-                f"({prev['processing_time'].isoformat()}); batches run in order"
-            )
+            # Batches commit in processing-time order: a later batch already took this interval's files,
+            # so re-running it (an overlapping backfill, a late retry) has nothing left to do.
+            return BatchResult(self.name, last, to_datetime(P), prev["watermark"], skipped=True,
+                               reason=f"a later batch ({prev['processing_time'].isoformat()}) is already committed")
         batch = self.batch = last + 1
         txn = self.txn(batch)
         w_in = to_us(prev["watermark"]) if prev else MIN_TS
@@ -336,7 +341,7 @@ class MicroBatch:
         plan = self.plan_of(batch)
         if plan is None:
             files, oldest_pending = self.pending_files(P)
-            versions = {name: self.tables.version(self.name, name) for name in STATE_TABLES}
+            versions = {name: self.tables.version(self.name, name) for name in self.state_tables}
             versions["oldest_pending"] = oldest_pending
             plan = {"files": [f.key for f in files], "arrivals": [f.arrival for f in files], "versions": versions}
             self._step("ingest_log", lambda: self.tables.append(self.name, "ingest_log", pa.Table.from_arrays([
@@ -400,6 +405,8 @@ class MicroBatch:
 
     # the windowing step ------------------------------------------------------------------------
     output_tables: tuple[str, ...] = OUTPUT_TABLES
+    #: tables whose versions the plan pins (reads of state use them); a subclass adds its own
+    state_tables: tuple[str, ...] = STATE_TABLES
 
     def process(self, batch: int, txn: Txn, clock: BatchClock, accepted: list[tuple], plan: dict[str, Any],
                 t: _Timer) -> dict[str, int]:
@@ -613,7 +620,12 @@ def run_batch(settings: Settings, spec: PipelineSpec, processing_time: datetime 
     ``validate`` runs the Great Expectations suites before anything is committed (the DAGs and
     `millpond run` do; replays skip it unless asked).
     """
-    job = MicroBatch(settings, spec, spark, validate=validate)
+    job_cls: type[MicroBatch] = MicroBatch
+    if spec.raw.get("computation"):  # a MillWheel computation replaces windowing and triggers
+        from .computation import ComputationBatch
+
+        job_cls = ComputationBatch
+    job = job_cls(settings, spec, spark, validate=validate)
     result = job.run(processing_time, watermark)
     result.quality = job.quality
     return result

@@ -82,6 +82,12 @@ def pipeline_from_dict(doc: dict[str, Any]) -> PipelineSpec:
         demo=dict(doc.get("demo") or {}),
         raw=dict(doc),
     )
+    if doc.get("computation") is not None:  # a MillWheel computation (millpond.computation) replaces them
+        if doc.get("window") is not None or doc.get("trigger") is not None:
+            raise ValueError("computation pipelines take no window or trigger (the computation's timers decide)")
+        from .computation import load_computation
+
+        load_computation(doc["computation"])  # importable, a Computation, options accepted
     spec.strategy()  # parse window, trigger, accumulation and aggregation now
     _ = spec.watermark_policy  # and the watermark policy
     return spec

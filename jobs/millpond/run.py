@@ -39,9 +39,55 @@ def run_direct(settings: Settings, specs: list[PipelineSpec], batches: int, spar
             print(f"  [{i}/{len(intervals)}] {result.summary()} ({time.perf_counter() - t:.1f}s)")
 
 
+def last_committed(settings: Settings, spec: PipelineSpec) -> datetime | None:
+    from .microbatch import BATCHES_SCHEMA
+    from .tables import Tables
+
+    done = Tables(settings).read_arrow(spec.name, "batches", schema=BATCHES_SCHEMA, columns=["processing_time"])
+    times = done.column("processing_time").to_pylist()
+    return max(times) if times else None
+
+
+def run_via_airflow(settings: Settings, specs: list[PipelineSpec], batches: int) -> None:
+    """Backfill each pipeline's recent intervals as Airflow DAG runs, then let the schedule carry on.
+
+    The backfill is created while the DAG is still paused (new DAGs are), so its runs own every
+    interval up to now and the scheduler cannot commit the newest interval first; then the DAG is
+    unpaused and the backfill runs in order. Intervals already committed are not asked for again.
+    """
+    from .airflow_stack import AirflowStack
+    from .backfill import Backfill
+
+    stack = AirflowStack(settings)
+    for spec in specs:
+        intervals = recent_intervals(spec, batches)
+        start, end = intervals[0][0], intervals[-1][1]
+        last = last_committed(settings, spec)
+        if last is not None and last >= start:
+            start = last
+        if start >= end:
+            print(f"{spec.name}: up to date (last batch at {last.isoformat()}); live runs continue in Airflow")
+            continue
+        job = Backfill(settings, spec.name, start, end, conf={"demo": True}, stack=stack)
+        job.check_order()
+        job.wait_for_dag()
+        created = job.create()
+        job.api("PATCH", f"/dags/{job.dag_id}", {"is_paused": False})
+        print(f"{spec.name}: backfill {created['id']} of {job.total} batches "
+              f"[{start.isoformat()}, {end.isoformat()}) through Airflow -> {stack.url}/dags/{job.dag_id}")
+        states = job.wait(created["id"], timeout=1800)
+        failed = [k for k, v in states.items() if v != "success"]
+        if failed:
+            from .errors import MillpondError
+
+            raise MillpondError(f"{len(failed)} of {len(states)} runs of {job.dag_id} failed (e.g. {failed[0]}): "
+                                f"see the task logs at {stack.url}/dags/{job.dag_id}")
+
+
 def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipelines", help="comma-separated pipeline names (default: all in conf/pipelines)")
     p.add_argument("--batches", type=int, default=6, help="how many recent intervals to run (default 6)")
+    p.add_argument("--direct", action="store_true", help="run the batches in this process, not through Airflow")
 
 
 @command("run", "run the shipped pipelines over recent intervals on demo data", _configure)
@@ -56,12 +102,28 @@ def _run(args: argparse.Namespace) -> int:
 
             raise MillpondError(f"unknown pipeline(s) {', '.join(missing)}: have {', '.join(specs)}")
         specs = {k: v for k, v in specs.items() if k in wanted}
-    run_direct(settings, list(specs.values()), args.batches)
+    from .airflow_stack import AirflowStack, admin_password
+
+    stack = AirflowStack(settings)
+    via_airflow = not args.direct and stack.running()
+    if via_airflow:
+        run_via_airflow(settings, list(specs.values()), args.batches)
+    else:
+        run_direct(settings, list(specs.values()), args.batches)
     print()
-    print(f"Tables: s3://{settings.bucket_lake}/{settings.table_root}/<pipeline>/"
-          "{panes,current,windows,late,quarantine,batches}")
-    print("Try:   make query SQL=\"SELECT key, window_start, value, timing FROM video_sessions.current "
-          "ORDER BY value DESC LIMIT 10\"")
+    print("Millpond is up.")
+    if via_airflow:
+        print(f"  Airflow UI:  {stack.url}  (user admin, password {admin_password(settings)})")
+    print(f"  Tables:      s3://{settings.bucket_lake}/{settings.table_root}/<pipeline>/"
+          "{panes,current,windows,late,quarantine,batches} at " + settings.s3_endpoint)
+    for spec in specs.values():
+        last = last_committed(settings, spec)
+        print(f"    {spec.name}: last batch at {last.isoformat() if last else '-'}")
+    print("  Query:       make query SQL=\"SELECT key, window_start, window_end, value, timing "
+          "FROM video_sessions.current ORDER BY value DESC LIMIT 10\"")
+    print("  Reports:     make docs (Data Docs on http://127.0.0.1:8765), make report (pane diagrams, "
+          f"batch reports; also s3://{settings.bucket_reports}/)")
+    print("  Stop:        make down")
     return 0
 
 

@@ -196,9 +196,19 @@ def up(settings: Settings) -> None:
     started = store.start()
     print(f"object store {'started' if started else 'already running'}: {settings.s3_endpoint} "
           f"(buckets {', '.join(settings.buckets)}; data in {store.data_dir})")
+    from .airflow_stack import AirflowStack, airflow_config
+
+    if airflow_config(settings).enabled:
+        stack = AirflowStack(settings)
+        started = stack.start()
+        print(f"airflow {'started' if started else 'already running'}: {stack.url} "
+              f"(user admin, password {stack.admin_password()})")
 
 
 def down(settings: Settings) -> None:
+    from .airflow_stack import AirflowStack
+
+    print("airflow stopped" if AirflowStack(settings).stop() else "airflow was not running")
     store = EmbeddedStore(settings)
     print("object store stopped" if store.stop() else "object store was not running")
 
@@ -207,4 +217,6 @@ def status(settings: Settings) -> list[str]:
     store = EmbeddedStore(settings)
     pid = read_pid(store.pidfile)
     state = f"running (pid {pid}) at {settings.s3_endpoint}" if pid else "stopped"
-    return [f"object store: {state}"]
+    from .airflow_stack import AirflowStack
+
+    return [f"object store: {state}", *AirflowStack(settings).status()]

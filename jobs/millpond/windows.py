@@ -92,14 +92,16 @@ class Sessions(WindowFn):
         return [Window(ts, ts + self.gap)]
 
     def merge(self, windows: list[Window]) -> list[tuple[Window, list[Window]]]:
-        groups: list[tuple[Window, list[Window]]] = []
+        spans: list[Window] = []
+        members: list[list[Window]] = []
         for w in sorted(set(windows)):
-            if groups and groups[-1][0].intersects(w):
-                span, members = groups[-1]
-                groups[-1] = (span.span(w), members + [w])
+            if spans and spans[-1].intersects(w):
+                spans[-1] = spans[-1].span(w)
+                members[-1].append(w)  # in place: a hot key's merge stays linear
             else:
-                groups.append((w, [w]))
-        return groups
+                spans.append(w)
+                members.append([w])
+        return list(zip(spans, members, strict=True))
 
 
 def window_fn(config: dict[str, Any]) -> WindowFn:

@@ -1,0 +1,115 @@
+"""Airflow configuration for in-process tests: must run before the first ``import airflow``.
+
+A bare import would write ``~/airflow``; every test process gets its own home and SQLite DB instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DAGS = ROOT / "dags"
+_DB_READY = False
+
+
+def configure() -> Path:
+    """Point Airflow at a private home; idempotent."""
+    if "AIRFLOW_HOME" in os.environ and os.environ.get("MILLPOND_TEST_AIRFLOW_HOME") == os.environ["AIRFLOW_HOME"]:
+        return Path(os.environ["AIRFLOW_HOME"])
+    if "airflow" in sys.modules:
+        raise RuntimeError("airflow was imported before tests/airflow_env.configure(): import this module first")
+    home = Path(tempfile.mkdtemp(prefix="millpond-airflow-inproc-"))
+    os.environ.update({
+        "AIRFLOW_HOME": str(home),
+        "MILLPOND_TEST_AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+    })
+    return home
+
+
+def reset_db() -> None:
+    """Create the metadata schema once per process (dag.test needs it; DagBag parsing does not)."""
+    global _DB_READY
+    if not _DB_READY:
+        from airflow.utils.db import resetdb
+
+        resetdb()
+        _DB_READY = True
+
+
+configure()
+
+
+PIPELINE = "afpipe"  # the pipeline the stack tests run (fixed windows, demo data)
+STACK_TABLE_ROOT = "tables_airflow"
+STACK_LANDING = "landing-airflow"
+
+
+def write_conf_dir(folder: Path, names: tuple[str, ...] = (PIPELINE,)) -> Path:
+    """A conf dir: the shipped millpond.yaml plus small demo pipelines (fast batches, fixed windows)."""
+    import shutil
+
+    import yaml
+
+    (folder / "pipelines").mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "conf" / "millpond.yaml", folder / "millpond.yaml")
+    for name in names:
+        doc = {
+            "name": name,
+            "description": "Airflow test pipeline: 5-minute sums per key, early and late panes",
+            "source": {"prefix": f"{name}/"},
+            "value_type": "int",
+            "window": {"type": "fixed", "size": "5m"},
+            "trigger": "AtWatermark(early=AtPeriod('5m'), late=AtCount(1))",
+            "accumulation": "accumulating_and_retracting",
+            "aggregation": "sum",
+            "allowed_lateness": "30m",
+            "batch_interval": "5m",
+            "watermark": {"policy": "processing_time", "lag": "1m"},
+            "demo": {"generator": "uniform", "events_per_batch": 60, "keys": 6, "late_fraction": 0.05,
+                     "duplicate_fraction": 0.05},
+        }
+        (folder / "pipelines" / f"{name}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    return folder
+
+
+def start_test_stack(conf_dir: Path):
+    """A real Airflow (four processes) on a free port, sharing the test store; tables under their own root.
+
+    Returns (stack, settings the stack's tasks see). Live schedules are off so nothing but the tests'
+    own runs touches the tables.
+    """
+    from millpond.airflow_stack import AirflowStack, airflow_config
+    from millpond.config import load_settings
+    from millpond.objectstore import ObjectStore
+    from millpond.services import free_port
+
+    overrides = {
+        "MILLPOND_CONF_DIR": str(conf_dir),
+        "MILLPOND_TABLE_ROOT": STACK_TABLE_ROOT,
+        "MILLPOND_BUCKET_LANDING": STACK_LANDING,
+        "MILLPOND_AIRFLOW_PORT": str(free_port()),
+        "MILLPOND_AIRFLOW_SCHEDULED_RUNS": "false",
+        "MILLPOND_AIRFLOW_PAUSED_AT_CREATION": "false",
+        "MILLPOND_AIRFLOW_PARALLELISM": "2",
+    }
+    # The in-process test Airflow's settings must not leak into the stack (its own DB and home).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")} | overrides
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        settings = load_settings()
+        ObjectStore(settings).ensure_buckets()
+        stack = AirflowStack(settings, airflow_config(settings))
+        stack.start(timeout=240)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return stack, settings

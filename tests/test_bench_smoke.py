@@ -1,0 +1,47 @@
+"""Smoke test of the benchmark machinery (`make bench`) on a tiny workload, so it cannot rot.
+
+No Beam and no Structured Streaming here (their own costs dwarf the workload); the full run is
+``millpond bench`` (see bench/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from millpond.bench import Plan, ratio_table, run_bench
+from millpond.ingest import parse_file
+from millpond.workload import WorkloadSpec, generate, jsonl_bytes
+
+pytestmark = pytest.mark.timeout(120)
+
+SMOKE = Plan("smoke", session_sizes=(2_000,), fixed_sizes=(), default_path_events=0, stream_events=0, beam=False,
+             structured_streaming=False, over_time_batches=5, over_time_events=200, over_time_keys=50,
+             tiny_events=200, tiny_runs=2, validation_events=0)
+
+
+def test_workload_lands_as_valid_jsonl() -> None:
+    spec = WorkloadSpec(events=500, keys=20, duplicate_fraction=0.1, late_fraction=0.1)
+    events = generate(spec)
+    assert events.num_rows == 550  # 10% delivered twice
+    assert len(set(events.column("id").to_pylist())) == 500
+    good, bad = parse_file("f", jsonl_bytes(events), value_type="int", file_arrival_us=spec.start_us,
+                           processing_time=spec.start_us + spec.interval_us)
+    assert not bad and len(good) == 550
+    assert max(r[4] - r[3] for r in good) > spec.disorder_bound_s * 1_000_000  # a late tail exists
+
+
+def test_bench_smoke(settings, spark, tmp_path) -> None:
+    doc = run_bench(settings, SMOKE, spark, tmp_path, log=lambda m: None)
+    json.dumps(doc, default=str)  # the document serialises
+    assert doc["machine"]["cores"] and doc["machine"]["spark"]
+    records = {r["measure"]: r for r in doc["records"]}
+    for measure in ("tiny_batch_s", "sessions_2k_vs_spark", "sessions_1m_vs_spark", "peak_mem_10m_gib",
+                    "batch5_vs_batch5"):
+        rec = records[measure]
+        assert set(rec) >= {"measure", "ours", "peer", "peer_name", "unit", "lower_is_better"}
+        assert isinstance(rec["ours"], float | int) and rec["ours"] > 0, rec
+        assert isinstance(rec["peer"], float | int) and rec["peer"] > 0, rec
+    assert records["sessions_1m_vs_spark"]["notes"]  # says the largest size actually run
+    assert "driver" in records["tiny_batch_s"]["path"]
+    assert "tiny_batch_s" in ratio_table(doc["records"])

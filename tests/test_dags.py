@@ -1,0 +1,133 @@
+"""The DAG folder parses cleanly and gives every pipeline file the same, correct DAG shape."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import airflow_env  # noqa: F401  (configures Airflow before it is imported)
+import pytest
+import yaml
+from millpond import dagfactory
+from millpond.backfill import align, parse_time
+from millpond.config import DEFAULT_CONF_DIR, load_settings
+
+TASKS = ["ingest", "process_microbatch", "validate", "publish"]
+
+
+def dagbag():
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=str(airflow_env.DAGS))
+
+
+def pipeline_names(conf_dir: Path) -> set[str]:
+    return {yaml.safe_load(p.read_text())["name"] for p in (conf_dir / "pipelines").glob("*.yaml")}
+
+
+@pytest.fixture
+def conf_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private conf dir (the shipped millpond.yaml, our own pipeline files)."""
+    (tmp_path / "pipelines").mkdir()
+    shutil.copy(DEFAULT_CONF_DIR / "millpond.yaml", tmp_path / "millpond.yaml")
+    monkeypatch.setenv("MILLPOND_CONF_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_dag_folder_imports_one_dag_per_shipped_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MILLPOND_CONF_DIR", raising=False)
+    started = time.perf_counter()
+    bag = dagbag()
+    elapsed = time.perf_counter() - started
+    assert bag.import_errors == {}
+    expected = {f"millpond_{n}" for n in pipeline_names(DEFAULT_CONF_DIR)}
+    assert set(bag.dag_ids) == expected
+    assert elapsed < 15, f"DAG parsing took {elapsed:.1f}s: keep heavy imports inside the tasks"
+
+
+def test_dag_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    from airflow.sdk import CronDataIntervalTimetable, DeltaDataIntervalTimetable
+
+    monkeypatch.delenv("MILLPOND_CONF_DIR", raising=False)
+    bag = dagbag()
+    settings = load_settings()
+    assert bag.dags, "no pipelines shipped in conf/pipelines"
+    for dag_id, dag in bag.dags.items():
+        name = dag_id.removeprefix("millpond_")
+        assert isinstance(dag.timetable, (CronDataIntervalTimetable, DeltaDataIntervalTimetable))
+        assert dag.max_active_runs == 1
+        assert dag.catchup is False
+        assert [t.task_id for t in dag.topological_sort()] == TASKS
+        assert dag.get_task("process_microbatch").upstream_task_ids == {"ingest"}
+        assert dag.get_task("validate").upstream_task_ids == {"process_microbatch"}
+        assert dag.get_task("publish").upstream_task_ids == {"validate", "process_microbatch"}
+        assert all(t.retries >= 1 for t in dag.tasks)  # safe: a batch is idempotent
+        assert {"dry_run", "demo", "watermark_lag_override"} <= set(dag.params)
+        uris = {a.uri for a in dag.get_task("publish").outlets}
+        assert f"s3://{settings.bucket_lake}/{settings.table_root}/{name}/panes" in uris
+
+
+def test_timetable_gives_real_aligned_intervals() -> None:
+    from airflow.sdk import CronDataIntervalTimetable, DeltaDataIntervalTimetable
+
+    five = dagfactory.timetable_for(timedelta(minutes=5))
+    assert isinstance(five, CronDataIntervalTimetable) and five.expression == "*/5 * * * *"
+    assert dagfactory.timetable_for(timedelta(hours=2)).expression == "0 */2 * * *"
+    assert dagfactory.timetable_for(timedelta(days=1)).expression == "0 0 * * *"
+    assert isinstance(dagfactory.timetable_for(timedelta(seconds=90)), DeltaDataIntervalTimetable)
+    assert isinstance(dagfactory.timetable_for(timedelta(minutes=7)), DeltaDataIntervalTimetable)
+
+
+def test_each_pipeline_file_gets_a_dag_and_a_broken_one_is_skipped(conf_dir: Path) -> None:
+    base = yaml.safe_load((DEFAULT_CONF_DIR / "pipelines" / "video_sessions.yaml").read_text())
+    for name, interval in (("alpha", "5m"), ("beta", "1h")):
+        (conf_dir / "pipelines" / f"{name}.yaml").write_text(yaml.safe_dump({**base, "name": name,
+                                                                           "batch_interval": interval}))
+    (conf_dir / "pipelines" / "broken.yaml").write_text("name: [unclosed\n")
+    bag = dagbag()
+    assert bag.import_errors == {}
+    assert set(bag.dag_ids) == {"millpond_alpha", "millpond_beta"}
+    assert bag.dags["millpond_beta"].timetable.expression == "0 */1 * * *"
+
+
+def test_live_runs_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    scheduled = {"dag_run": SimpleNamespace(run_type="scheduled")}
+    for run_type in ("manual", "backfill"):
+        monkeypatch.setenv("MILLPOND_AIRFLOW_SCHEDULED_RUNS", "false")
+        assert not dagfactory.live_run_skipped({"dag_run": SimpleNamespace(run_type=run_type)})
+    assert dagfactory.live_run_skipped(scheduled)
+    monkeypatch.setenv("MILLPOND_AIRFLOW_SCHEDULED_RUNS", "true")
+    assert not dagfactory.live_run_skipped(scheduled)
+
+
+def test_processing_time_is_interval_end_or_run_after() -> None:
+    start = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    end = start + timedelta(minutes=5)
+    scheduled = {"dag_run": SimpleNamespace(logical_date=start, run_after=end),
+                 "data_interval_start": start, "data_interval_end": end}
+    assert dagfactory.batch_window(scheduled, timedelta(minutes=5)) == (start, end)
+    run_after = datetime(2026, 1, 1, 12, 7, 30, tzinfo=UTC)
+    manual = {"dag_run": SimpleNamespace(logical_date=None, run_after=run_after),
+              "data_interval_start": None, "data_interval_end": None}
+    assert dagfactory.batch_window(manual, timedelta(minutes=5)) == (run_after - timedelta(minutes=5), run_after)
+
+
+def test_backfill_bounds_and_progress() -> None:
+    interval = timedelta(minutes=5)
+    a, b = align(parse_time("2026-01-01T12:02:00Z"), parse_time("2026-01-01T12:13:00"), interval)
+    assert (a, b) == (datetime(2026, 1, 1, 12, 0, tzinfo=UTC), datetime(2026, 1, 1, 12, 15, tzinfo=UTC))
+    conf = {"backfill_from": "2026-01-01T12:00:00Z", "backfill_to": "2026-01-01T12:15:00Z"}
+    assert dagfactory.backfill_progress(conf, datetime(2026, 1, 1, 12, 5, tzinfo=UTC), interval) == (2, 3)
+    assert dagfactory.backfill_progress({}, a, interval) is None
+
+
+def test_demo_needs_pipeline_config_and_a_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MILLPOND_DEMO", raising=False)
+    assert not dagfactory.demo_enabled(True, {"demo": False})
+    assert dagfactory.demo_enabled(True, {"demo": True})
+    assert not dagfactory.demo_enabled(False, {"demo": True})
+    monkeypatch.setenv("MILLPOND_DEMO", "1")
+    assert dagfactory.demo_enabled(True, {})
