@@ -21,6 +21,9 @@ from deltalake.exceptions import TableNotFoundError
 from .config import Settings
 from .errors import MillpondError
 
+#: Checkpoint every 10 commits: opening a table replays at most 10 JSON commits, however long its history.
+TABLE_CONFIG = {"delta.checkpointInterval": "10"}
+
 
 @dataclass(frozen=True)
 class Txn:
@@ -70,6 +73,9 @@ class Tables:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.options = storage_options(settings)
+        # Latest snapshots opened by this object, refreshed incrementally: a batch opens each table
+        # several times, and replaying its log from the last checkpoint each time would grow with history.
+        self._latest: dict[tuple[str, str], DeltaTable] = {}
 
     def uri(self, pipeline: str, name: str) -> str:
         return self.settings.table_uri(pipeline, name)
@@ -78,7 +84,11 @@ class Tables:
     def open(self, pipeline: str, name: str, version: int | str | None = None) -> DeltaTable | None:
         """The table, or None if it was never created. ``version``: number or ISO timestamp."""
         uri = self.uri(pipeline, name)
+        cached = self._latest.get((pipeline, name)) if version is None else None
         try:
+            if cached is not None:
+                cached.update_incremental()
+                return cached
             dt = DeltaTable(uri, storage_options=self.options, version=version if isinstance(version, int) else None)
         except TableNotFoundError:
             return None
@@ -86,6 +96,8 @@ class Tables:
             raise _wrap(exc, uri) from exc
         if isinstance(version, str):
             dt.load_as_version(version)
+        if version is None:
+            self._latest[(pipeline, name)] = dt
         return dt
 
     def exists(self, pipeline: str, name: str) -> bool:
@@ -101,7 +113,9 @@ class Tables:
         if dt is not None:
             return dt
         uri = self.uri(pipeline, name)
-        config = {"delta.dataSkippingStatsColumns": ",".join(stats_columns)} if stats_columns else None
+        config = dict(TABLE_CONFIG)
+        if stats_columns:
+            config["delta.dataSkippingStatsColumns"] = ",".join(stats_columns)
         try:
             return DeltaTable.create(
                 uri, schema, mode="ignore", partition_by=list(partition_by) if partition_by else None,
@@ -201,7 +215,8 @@ class Tables:
         try:
             if dt is None:  # the first write creates the table: its version 0 holds these rows
                 write_deltalake(uri, data, mode=mode, partition_by=list(partition_by) if partition_by else None,
-                                storage_options=self.options, commit_properties=_commit(txn))
+                                storage_options=self.options, commit_properties=_commit(txn),
+                                configuration=TABLE_CONFIG)
             else:
                 write_deltalake(dt, data, mode=mode, commit_properties=_commit(txn))
         except Exception as exc:  # noqa: BLE001
