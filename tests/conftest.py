@@ -10,28 +10,13 @@ from pathlib import Path
 
 import pytest
 from millpond.config import Settings, load_settings
-from millpond.services import EmbeddedStore, free_port
+from millpond.services import EmbeddedStore, isolated_store_env
 from millpond.tables import Tables
-
-PORT_VARS = {
-    "s3": "MILLPOND_S3_PORT",
-    "master": "MILLPOND_WEED_MASTER_PORT",
-    "volume": "MILLPOND_WEED_VOLUME_PORT",
-    "filer": "MILLPOND_WEED_FILER_PORT",
-    "webdav": "MILLPOND_WEED_WEBDAV_PORT",
-}
 
 
 def free_store_env(home: Path) -> dict[str, str]:
     """Environment for an isolated embedded store: its own home and free ports."""
-    used: set[int] = set()
-    env = {"MILLPOND_HOME": str(home)}
-    for var in PORT_VARS.values():
-        port = free_port(used)
-        used |= {port, port + 10000}
-        env[var] = str(port)
-    env["MILLPOND_S3_ENDPOINT"] = f"http://127.0.0.1:{env['MILLPOND_S3_PORT']}"
-    return env
+    return isolated_store_env(home)
 
 
 @pytest.fixture(scope="session")

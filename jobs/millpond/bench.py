@@ -52,19 +52,12 @@ from .cli import command
 from .config import PROJECT_ROOT, Settings, load_settings
 from .objectstore import ObjectStore
 from .pipeline import PipelineSpec, pipeline_from_dict
-from .services import EmbeddedStore, free_port, read_pid
+from .services import EmbeddedStore, isolated_store_env, read_pid
 from .tables import storage_options
 from .timeutil import MAX_TS, US, iso, to_datetime
 from .workload import WorkloadSpec, generate, jsonl_bytes, land, write_local
 
 GIB = 1024**3
-PORT_VARS = {
-    "s3": "MILLPOND_S3_PORT",
-    "master": "MILLPOND_WEED_MASTER_PORT",
-    "volume": "MILLPOND_WEED_VOLUME_PORT",
-    "filer": "MILLPOND_WEED_FILER_PORT",
-    "webdav": "MILLPOND_WEED_WEBDAV_PORT",
-}
 REFERENCE = PROJECT_ROOT / "tests" / "reference"
 
 #: (b) sessions, early panes, retractions; the trigger has a faithful Beam mapping (no AtPeriod)
@@ -645,18 +638,6 @@ def ratio_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def isolated_env(home: Path) -> dict[str, str]:
-    """Environment for a private embedded store: its own home and free loopback ports."""
-    used: set[int] = set()
-    env = {"MILLPOND_HOME": str(home)}
-    for var in PORT_VARS.values():
-        port = free_port(used)
-        used |= {port, port + 10000}
-        env[var] = str(port)
-    env["MILLPOND_S3_ENDPOINT"] = f"http://127.0.0.1:{env['MILLPOND_S3_PORT']}"
-    return env
-
-
 def run_bench(settings: Settings, plan: Plan, spark, workdir: Path, log: Callable[[str], None] = print,
               exclude_root: Callable[[], int | None] = lambda: None, steps: list[str] | None = None) -> dict:
     """Run the plan against a running store and SparkSession; return the results document."""
@@ -688,7 +669,7 @@ def run_bench(settings: Settings, plan: Plan, spark, workdir: Path, log: Callabl
 def main_bench(plan: Plan, out: Path | None, log: Callable[[str], None] = print) -> dict:
     """Start a private store (and a SparkSession), run, stop everything, write ``out``."""
     home = Path(tempfile.mkdtemp(prefix="millpond-bench-"))
-    env = isolated_env(home)
+    env = isolated_store_env(home)
     if "PYSPARK_SUBMIT_ARGS" not in os.environ:  # no console progress bars in the bench's log
         env["PYSPARK_SUBMIT_ARGS"] = "--conf spark.ui.showConsoleProgress=false pyspark-shell"
     saved = {k: os.environ.get(k) for k in env}

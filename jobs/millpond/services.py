@@ -49,6 +49,27 @@ def free_port(avoid: set[int] | None = None) -> int:
     raise MillpondError("no free loopback port found")
 
 
+PORT_VARS = {
+    "s3": "MILLPOND_S3_PORT",
+    "master": "MILLPOND_WEED_MASTER_PORT",
+    "volume": "MILLPOND_WEED_VOLUME_PORT",
+    "filer": "MILLPOND_WEED_FILER_PORT",
+    "webdav": "MILLPOND_WEED_WEBDAV_PORT",
+}
+
+
+def isolated_store_env(home: Path) -> dict[str, str]:
+    """Environment for a private embedded store (tests, benchmarks): its own home and free loopback ports."""
+    used: set[int] = set()
+    env = {"MILLPOND_HOME": str(home)}
+    for var in PORT_VARS.values():
+        port = free_port(used)
+        used |= {port, port + 10000}
+        env[var] = str(port)
+    env["MILLPOND_S3_ENDPOINT"] = f"http://127.0.0.1:{env['MILLPOND_S3_PORT']}"
+    return env
+
+
 def require_java(min_major: int = 17) -> str:
     """Spark needs Java 17+: say so in one line rather than let py4j fail obscurely."""
     java_home = os.environ.get("JAVA_HOME")
