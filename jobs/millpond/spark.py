@@ -6,6 +6,7 @@ inside ``var/`` so a run leaves nothing in the user's home.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -16,6 +17,7 @@ from .services import require_java
 def get_spark(settings: Settings, app_name: str = "millpond", shuffle_partitions: int | None = None):
     """A SparkSession configured for Millpond (reused if one is already active in the process)."""
     require_java()
+    logging.getLogger("py4j").setLevel(logging.WARNING)  # its connection-closing chatter at exit is noise
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
