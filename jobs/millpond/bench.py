@@ -101,7 +101,7 @@ class Plan:
     session_sizes: tuple[int, ...] = (10_000, 100_000, 1_000_000)
     fixed_sizes: tuple[int, ...] = (100_000, 1_000_000)
     keys_ratio: float = 0.1  # keys = events * ratio (1M events -> 100k keys)
-    #: the engine's default path (Spark cogroup above LOCAL_THRESHOLD) for both kinds; 0 = skip
+    #: the engine's default path (Spark mapInArrow at or above LOCAL_THRESHOLD) for both kinds; 0 = skip
     default_path_events: int = 50_000
     #: streaming comparison: this many events over `stream_batches` micro-batches (+1 flush)
     stream_events: int = 100_000
@@ -490,7 +490,7 @@ class Bench:
                         f"bare Spark {kind} aggregation", "events/s", False, path=ours["path_ran"],
                         ours_seconds=ours["seconds"], peer_seconds=bare["seconds"], phases=ours["phases"],
                         driver_path_seconds=driver["seconds"],
-                        notes="the engine's default: per-key step in Spark cogroup.applyInPandas "
+                        notes="the engine's default: per-key step on Spark (mapInArrow, one Python call per partition) "
                               f"(>= LOCAL_THRESHOLD={microbatch.LOCAL_THRESHOLD} new elements)")
         self.measures["default_path"] = rows
 

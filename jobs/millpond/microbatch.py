@@ -2,7 +2,7 @@
 
 Steps (each timed into ``phases``): plan (which files, which state versions; written first so a
 rerun after a crash recomputes the same batch), ingest + quarantine, dedup, watermark, per-key
-windowing/triggers (Spark ``cogroup.applyInPandas`` over new elements and the state of the keys they
+windowing/triggers (Spark ``mapInArrow`` over new elements and the state of the keys they
 touch or whose timers are due; in the driver for tiny batches), then commits, each tagged with the
 application transaction (pipeline, batch) so a retried batch never applies anything twice, with the
 ``batches`` row last as the commit marker.
