@@ -102,13 +102,16 @@ def process_key(
 
     # 1. Assign windows; drop what is too late or belongs to a closed window.
     assigned: list[tuple[Element, Window]] = []
+    closed_windows = [w for w, ws in live.items() if ws.closed]
     for el in sorted(elements, key=lambda e: (e.arrival_time, e.event_time, e.id)):
         for w in wfn.assign(el.event_time):
             if gc_time(w, strategy.allowed_lateness) <= clock.input_watermark:
                 result.late.append((el, "beyond allowed lateness"))
                 continue
-            if wfn.merging:
-                closed = any(ws.closed and ws.window.intersects(w) for ws in live.values())
+            if not closed_windows:
+                closed = False
+            elif wfn.merging:
+                closed = any(c.intersects(w) for c in closed_windows)
             else:
                 closed = w in live and live[w].closed
             if closed:
@@ -153,15 +156,22 @@ def process_key(
             touched.add(merged)
         assigned = [(el, target[w]) for el, w in assigned]
 
-    # 3. Add elements to accumulators and triggers.
+    # 3. Add elements to accumulators, then to triggers once per window (first element's processing time).
+    first_ptime: dict[Window, int] = {}
+    counts: dict[Window, int] = {}
     for el, w in assigned:
         ws = live.get(w)
         if ws is None:
             ws = live[w] = WindowState(window=w, acc=comb.create())
         ws.acc = comb.add(ws.acc, el.value)
         ws.unfired += 1
-        ctx = TriggerContext(w, clock.watermark, clock.processing_time, ws.trigger)
-        trig.on_element(ctx, "0", min(el.arrival_time, clock.processing_time))
+        if w not in counts:
+            first_ptime[w] = min(el.arrival_time, clock.processing_time)
+            counts[w] = 0
+        counts[w] += 1
+    for w, n in counts.items():
+        ctx = TriggerContext(w, clock.watermark, clock.processing_time, live[w].trigger)
+        trig.on_element(ctx, "0", first_ptime[w], n)
         touched.add(w)
 
     # 4. Fire what is due, once per window; garbage-collect what can no longer fire.

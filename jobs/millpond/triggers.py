@@ -44,10 +44,12 @@ class Trigger:
     children: tuple[Trigger, ...] = ()
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def on_element(self, ctx: TriggerContext, path: str, element_ptime: int) -> None:
+    def on_element(self, ctx: TriggerContext, path: str, element_ptime: int, count: int = 1) -> None:
+        """``count`` elements arrived, the first at ``element_ptime``. A batch decides once per window,
+        so its elements can be handed over together: the same state as one call per element."""
         for i, child in enumerate(self.children):
             if not child.finished(ctx, f"{path}.{i}"):
-                child.on_element(ctx, f"{path}.{i}", element_ptime)
+                child.on_element(ctx, f"{path}.{i}", element_ptime, count)
 
     def should_fire(self, ctx: TriggerContext, path: str) -> bool:
         raise NotImplementedError
@@ -105,7 +107,7 @@ class Trigger:
 class AtWatermark(Trigger):
     """Fires when the watermark passes the end of the window (a timer armed by data)."""
 
-    def on_element(self, ctx: TriggerContext, path: str, element_ptime: int) -> None:
+    def on_element(self, ctx: TriggerContext, path: str, element_ptime: int, count: int = 1) -> None:
         ctx.node(path)["armed"] = True
 
     def should_fire(self, ctx: TriggerContext, path: str) -> bool:
@@ -136,9 +138,9 @@ class AtCount(Trigger):
             raise ValueError("AtCount needs n >= 1")
         self.n = int(n)
 
-    def on_element(self, ctx: TriggerContext, path: str, element_ptime: int) -> None:
+    def on_element(self, ctx: TriggerContext, path: str, element_ptime: int, count: int = 1) -> None:
         node = ctx.node(path)
-        node["count"] = node.get("count", 0) + 1
+        node["count"] = node.get("count", 0) + count
 
     def should_fire(self, ctx: TriggerContext, path: str) -> bool:
         return ctx.state.get(path, {}).get("count", 0) >= self.n
@@ -164,7 +166,7 @@ class _ProcessingTimeTrigger(Trigger):
     def timer_for(self, element_ptime: int) -> int:
         raise NotImplementedError
 
-    def on_element(self, ctx: TriggerContext, path: str, element_ptime: int) -> None:
+    def on_element(self, ctx: TriggerContext, path: str, element_ptime: int, count: int = 1) -> None:
         node = ctx.node(path)
         if "at" not in node:
             node["at"] = self.timer_for(element_ptime)
@@ -246,10 +248,10 @@ class SequenceOf(Trigger):
     def _current(self, ctx: TriggerContext, path: str) -> int:
         return ctx.state.get(path, {}).get("i", 0)
 
-    def on_element(self, ctx: TriggerContext, path: str, element_ptime: int) -> None:
+    def on_element(self, ctx: TriggerContext, path: str, element_ptime: int, count: int = 1) -> None:
         i = self._current(ctx, path)
         if i < len(self.children):
-            self.children[i].on_element(ctx, f"{path}.{i}", element_ptime)
+            self.children[i].on_element(ctx, f"{path}.{i}", element_ptime, count)
 
     def should_fire(self, ctx: TriggerContext, path: str) -> bool:
         i = self._current(ctx, path)

@@ -10,15 +10,14 @@ the constructor.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .timeutil import MAX_TS, MIN_TS, parse_duration
 
 
-@dataclass(frozen=True, order=True)
-class Window:
-    """Half-open interval [start, end) of event time, in microseconds."""
+class Window(NamedTuple):
+    """Half-open interval [start, end) of event time, in microseconds (a tuple: hashing and ordering
+    happen in C, which matters when a hot key's batch merges and sorts many windows)."""
 
     start: int
     end: int
