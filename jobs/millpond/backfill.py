@@ -113,14 +113,21 @@ class Backfill:
             "dag_run_conf": {**self.conf, "backfill_from": _iso(self.start), "backfill_to": _iso(self.end)},
         }
 
-    def create(self) -> dict[str, Any]:
-        try:
-            return self.api("POST", "/backfills", self.body())
-        except MillpondError as exc:
-            if " 409" in str(exc):
-                raise MillpondError(f"a backfill of {self.dag_id} is already running: wait for it or cancel it "
-                                    "in the UI (Browse -> Backfills)") from exc
-            raise
+    def create(self, attempts: int = 6) -> dict[str, Any]:
+        for attempt in range(attempts):
+            try:
+                return self.api("POST", "/backfills", self.body())
+            except MillpondError as exc:
+                if " 409" in str(exc):
+                    raise MillpondError(f"a backfill of {self.dag_id} is already running: wait for it or cancel "
+                                        "it in the UI (Browse -> Backfills)") from exc
+                # On SQLite, Airflow refuses to create a backfill while the scheduler holds the database
+                # ("Database is locked", 503): a passing condition, so wait and ask again.
+                if " 503" in str(exc) and "locked" in str(exc).lower() and attempt < attempts - 1:
+                    time.sleep(1.0 + 2 * attempt)
+                    continue
+                raise
+        raise AssertionError("unreachable")
 
     def runs(self) -> list[dict[str, Any]]:
         query = urlencode({

@@ -570,9 +570,14 @@ class MicroBatch:
             "event_timer": pd.to_datetime([r["event_timer"] for r in live], unit="us", utc=True),
             "ptime_timer": pd.to_datetime([r["ptime_timer"] for r in live], unit="us", utc=True),
             "batch": [batch] * len(live)})
-        retracted_keys = sorted({p.key for p in panes if p.kind == "retraction"})
-        prior = self.tables.select(self.name, "panes", sql_in("key", retracted_keys),
-                                   schema=pa.schema([("key", pa.string())])).to_pandas() if retracted_keys else None
+        retractions = [p for p in panes if p.kind == "retraction"]
+        prior = None
+        if retractions:
+            # Only the retracted windows' earlier panes matter: bounding window_start lets file statistics
+            # skip old pane files, so this read does not grow with the pane log.
+            where = (f"window_start >= {sql_ts(min(p.window_start for p in retractions))} AND "
+                     + sql_in("key", sorted({p.key for p in retractions})))
+            prior = self.tables.select(self.name, "panes", where, schema=pa.schema([("key", pa.string())])).to_pandas()
         report = validate_batch(self.settings, self.name, batch, raw=raw, panes=pane_df, state=state_df,
                                 prior_panes=prior, processing_time=to_datetime(clock.processing_time),
                                 window_type=self.spec.window.get("type"))
