@@ -44,6 +44,8 @@ INPROGRESS = ".inprogress"
 EXPIRE_EVERY = 10
 #: below this many new elements the per-key step runs in the driver (same code, no Spark job)
 LOCAL_THRESHOLD = 5_000
+#: up to this many ids/keys a SQL IN list (file pruning); above, a scan probed in Arrow
+SMALL_IN_LIST = 200
 
 PLAN_SCHEMA = pa.schema(
     [
@@ -445,10 +447,13 @@ class MicroBatch:
         not change: only files whose event-time range overlaps the batch's are read (file statistics)."""
         if version is None or not ids:
             return set()
-        where = (f"event_time >= {sql_ts(min(event_times))} AND event_time <= {sql_ts(max(event_times))} AND "
-                 + sql_in("id", ids))
+        where = f"event_time >= {sql_ts(min(event_times))} AND event_time <= {sql_ts(max(event_times))}"
+        if len(ids) <= SMALL_IN_LIST:
+            where += " AND " + sql_in("id", ids)
+        # A long IN list costs more in the SQL engine than reading the range's ids and probing in Arrow.
         t = self.tables.select(self.name, "seen_ids", where, columns=["id"], version=version)
-        return set(t.column("id").to_pylist())
+        hits = t.column("id").filter(pc.is_in(t.column("id"), value_set=pa.array(ids, pa.string())))
+        return set(hits.to_pylist())
 
     def dedup_horizon(self) -> int | None:
         """How far behind the watermark a record id must be remembered: past it, a re-delivery is late
@@ -480,7 +485,12 @@ class MicroBatch:
         all_keys = sorted(set(keys) | set(due_keys.column("key").to_pylist()))
         if not all_keys:
             return WINDOWS_SCHEMA.empty_table()
-        return self.tables.select(self.name, "windows", sql_in("key", all_keys), version=version)
+        if len(all_keys) <= SMALL_IN_LIST:
+            return self.tables.select(self.name, "windows", sql_in("key", all_keys), version=version)
+        # Many keys: MERGE-written files hold keys of every range, so statistics cannot prune them and the
+        # scan reads the same files either way; probing the keys in Arrow beats a long SQL IN list.
+        t = self.tables.select(self.name, "windows", version=version)
+        return t.filter(pc.is_in(t.column("key"), value_set=pa.array(all_keys, pa.string())))
 
     def _commit(self, batch: int, txn: Txn, clock: BatchClock, rows: list[tuple], accepted: list[tuple],
                 t: _Timer) -> dict[str, int]:
