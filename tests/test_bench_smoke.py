@@ -15,7 +15,7 @@ from millpond.workload import WorkloadSpec, generate, jsonl_bytes
 
 pytestmark = pytest.mark.timeout(120)
 
-SMOKE = Plan("smoke", session_sizes=(2_000,), fixed_sizes=(), default_path_events=0, stream_events=0, beam=False,
+SMOKE = Plan("smoke", session_sizes=(2_000,), fixed_sizes=(), spark_path_events=0, stream_events=0, beam=False,
              structured_streaming=False, over_time_batches=5, over_time_events=200, over_time_keys=50,
              tiny_events=200, tiny_runs=2, validation_events=0)
 

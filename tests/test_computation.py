@@ -270,7 +270,10 @@ def test_productions_exactly_once_after_crash_and_rerun(settings, tables, zeitge
     assert crashed.returncode == -9, crashed.stderr[-2000:]  # killed right after the commit, no cleanup
     landed = set(tables.read_arrow(name, "anomalies", schema=pa.schema([("batch", pa.int64())]))
                  .column("batch").to_pylist())
-    assert (2 in landed) == (step in ("produce_anomalies", "watermarks"))  # batch 2's productions: in commit order
+    # A batch's commits between plan and marker run concurrently (one thread per table): the crashed step's
+    # own commit landed, the others may or may not have; only the marker decides what readers see.
+    if step == "produce_anomalies":
+        assert 2 in landed
     assert max(tables.read_arrow(name, "batches").column("batch").to_pylist()) == 1  # ... uncommitted
     rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert rerun.returncode == 0, rerun.stderr[-2000:]

@@ -330,8 +330,8 @@ class ComputationBatch(MicroBatch):
             table = pa.table({"key": [o.key for o in states], "state": pa.array([o.state for o in states], pa.string()),
                               "batch": pa.array([batch] * len(states), pa.int64()),
                               "deleted": pa.array([o.state is None for o in states], pa.bool_())}, schema=STATE_SCHEMA)
-            self._step("comp_state", lambda: self.tables.merge(name, "comp_state", table, on=["key"],
-                                                               delete_when="s.deleted", txn=txn, stats_columns=["key"]))
+            self._step("comp_state", lambda tb=table: self.tables.merge(
+                name, "comp_state", tb, on=["key"], delete_when="s.deleted", txn=txn, stats_columns=["key"]))
         rows = [(tm.key, tm.tag, tm.domain, tm.at, False) for o in outcomes for tm in o.timer_upserts]
         rows += [(o.key, tag, EVENT, 0, True) for o in outcomes for tag in o.timer_deletes]
         if rows:
@@ -339,8 +339,8 @@ class ComputationBatch(MicroBatch):
             table = pa.table({"key": [r[0] for r in rows], "tag": [r[1] for r in rows], "domain": [r[2] for r in rows],
                               "fire_at": _ts(r[3] for r in rows), "batch": pa.array([batch] * len(rows), pa.int64()),
                               "deleted": pa.array([r[4] for r in rows], pa.bool_())}, schema=TIMERS_SCHEMA)
-            self._step("timers", lambda: self.tables.merge(
-                name, "timers", table, on=["key", "tag"], delete_when="s.deleted", txn=txn,
+            self._step("timers", lambda tb=table: self.tables.merge(
+                name, "timers", tb, on=["key", "tag"], delete_when="s.deleted", txn=txn,
                 stats_columns=["key", "tag", "domain", "fire_at"]))
         produced: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for o in outcomes:  # key order, then the order the key produced them

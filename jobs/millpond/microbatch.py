@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -42,8 +42,10 @@ from .windows import Window
 INPROGRESS = ".inprogress"
 #: dedup ids past the horizon are dropped every this many batches (one small delete commit)
 EXPIRE_EVERY = 10
-#: below this many new elements the per-key step runs in the driver (same code, no Spark job)
-LOCAL_THRESHOLD = 5_000
+#: below this many new elements the per-key step runs in the driver (same code, no Spark job). On one
+#: 2-core machine the driver path was faster at every size measured (up to 1M elements, see bench/);
+#: on a cluster, lower it (``MILLPOND_LOCAL_THRESHOLD``) so Spark spreads the per-key step.
+LOCAL_THRESHOLD = int(os.environ.get("MILLPOND_LOCAL_THRESHOLD", "1000000"))
 #: up to this many ids/keys a SQL IN list (file pruning); above, a scan probed in Arrow
 SMALL_IN_LIST = 200
 
@@ -82,6 +84,9 @@ BATCHES_SCHEMA = pa.schema(
     ]
 )
 STATE_TABLES = ("windows", "seen_ids")
+#: read whole by every batch's plan: compacted into one file whenever they exceed COMPACT_OVER_FILES
+BOOKKEEPING_TABLES = ("batches", "ingest_log")
+COMPACT_OVER_FILES = 8
 OUTPUT_TABLES = ("panes", "current", "late", "quarantine", "windows", "seen_ids", "ingest_log")
 
 
@@ -261,6 +266,7 @@ class MicroBatch:
     """One batch of one pipeline at one processing time."""
 
     def __init__(self, settings: Settings, spec: PipelineSpec, spark=None, validate: bool = False) -> None:
+        self._deferred: list[tuple[str, str, Callable[[], Any]]] | None = None
         self.settings = settings
         self.validate = validate
         self.quality = None
@@ -312,11 +318,40 @@ class MicroBatch:
         finally:
             self.lease.release()
 
-    def _step(self, name: str, write) -> None:
-        """One commit: only while this run still holds the lease; a crash point after it."""
+    def _step(self, name: str, write: Callable[[], Any], table: str | None = None) -> None:
+        """One commit: only while this run still holds the lease; a crash point after it.
+
+        Between the plan and the marker, commits are deferred and then run concurrently, one thread
+        per table (see ``_flush``)."""
+        if self._deferred is not None:
+            self._deferred.append((name, table or name, write))
+            return
         self.lease.check()
         write()
         crash_point(name, self.batch)
+
+    def _flush(self) -> None:
+        """Run the deferred commits: each table's in order, different tables in parallel. They are
+        independent (each is idempotent by the batch's transaction id, and readers only trust versions
+        named by the marker), so their order does not matter; a crash leaves a subset, which the rerun
+        completes. The first failure is raised after every started commit has finished."""
+        deferred, self._deferred = self._deferred or [], None
+        by_table: dict[str, list[tuple[str, Callable[[], Any]]]] = {}
+        for name, table, write in deferred:
+            by_table.setdefault(table, []).append((name, write))
+
+        def run(steps: list[tuple[str, Callable[[], Any]]]) -> None:
+            for name, write in steps:
+                self._step(name, write)
+
+        if len(by_table) <= 1:
+            for steps in by_table.values():
+                run(steps)
+            return
+        with ThreadPoolExecutor(max_workers=len(by_table)) as pool:
+            futures = [pool.submit(run, steps) for steps in by_table.values()]
+        for f in futures:
+            f.result()
 
     def _run(self, processing_time: datetime | int | str, watermark: datetime | int | str | None) -> BatchResult:
         P = to_us(processing_time)
@@ -378,6 +413,7 @@ class MicroBatch:
         clock = BatchClock(batch=batch, processing_time=P, input_watermark=w_in, watermark=w_new)
         t.lap("watermark")
 
+        self._deferred = []
         outputs = self.process(batch, txn, clock, accepted, plan, t)
         name = self.name
         if bad:
@@ -390,6 +426,7 @@ class MicroBatch:
                 {"id": [r[0] for r in accepted], "event_time": _ts(r[3] for r in accepted),
                  "batch": pa.array([batch] * len(accepted), pa.int64())}, schema=SEEN_SCHEMA), txn=txn))
         self._expire_seen(batch, txn, clock)
+        self._flush()
         t.lap("commit")
         counts = {"files": len(plan["files"]), "input": len(accepted) + duplicates + len(bad),
                   "accepted": len(accepted), "duplicates": duplicates, "quarantined": len(bad),
@@ -403,6 +440,10 @@ class MicroBatch:
                   for f in BATCHES_SCHEMA]
         self._step("batches", lambda: self.tables.append(
             name, "batches", pa.Table.from_arrays(arrays, schema=BATCHES_SCHEMA), txn=txn))
+        t.lap("commit")
+        for small in BOOKKEEPING_TABLES:  # after the marker: maintenance, not part of the batch's result
+            self.tables.compact(name, small, over_files=COMPACT_OVER_FILES)
+        t.lap("maintain")
         return BatchResult(self.name, batch, to_datetime(P), to_datetime(w_new), counts, t.phases)
 
     # the windowing step ------------------------------------------------------------------------
@@ -447,11 +488,16 @@ class MicroBatch:
         not change: only files whose event-time range overlaps the batch's are read (file statistics)."""
         if version is None or not ids:
             return set()
-        where = f"event_time >= {sql_ts(min(event_times))} AND event_time <= {sql_ts(max(event_times))}"
         if len(ids) <= SMALL_IN_LIST:
-            where += " AND " + sql_in("id", ids)
-        # A long IN list costs more in the SQL engine than reading the range's ids and probing in Arrow.
-        t = self.tables.select(self.name, "seen_ids", where, columns=["id"], version=version)
+            where = (f"event_time >= {sql_ts(min(event_times))} AND event_time <= {sql_ts(max(event_times))} AND "
+                     + sql_in("id", ids))
+            t = self.tables.select(self.name, "seen_ids", where, columns=["id"], version=version)
+        else:
+            # A long IN list costs more than reading the range's ids (file statistics prune by event time)
+            # and probing them in Arrow.
+            lo, hi = (pa.scalar(v, pa.int64()).cast(TS) for v in (min(event_times), max(event_times)))
+            t = self.tables.read_arrow(self.name, "seen_ids", columns=["id"], version=version,
+                                       filters=(pc.field("event_time") >= lo) & (pc.field("event_time") <= hi))
         hits = t.column("id").filter(pc.is_in(t.column("id"), value_set=pa.array(ids, pa.string())))
         return set(hits.to_pylist())
 
@@ -474,7 +520,7 @@ class MicroBatch:
         cutoff = clock.watermark - horizon
         self._step("expire_seen", lambda: self.tables.delete(
             self.name, "seen_ids", f"event_time < {sql_ts(cutoff)}",
-            txn=Txn(f"{txn.app_id}/expire", txn.version)))
+            txn=Txn(f"{txn.app_id}/expire", txn.version)), table="seen_ids")
 
     def _state(self, version: int | None, keys: list[str], clock: BatchClock) -> pa.Table:
         """Only the windows of touched keys and of windows whose timers are due."""

@@ -257,6 +257,21 @@ class Tables:
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, uri) from exc
 
+    def compact(self, pipeline: str, name: str, over_files: int) -> bool:
+        """Bin-pack a table's files into one once it has more than ``over_files`` (a ``dataChange=false``
+        commit: readers and time travel see the same rows). For the small bookkeeping tables a batch
+        reads whole, so reading them does not grow with the number of batches."""
+        # This object's snapshot, as of its own last write: no log listing just to count files.
+        dt = self._latest.get((pipeline, name)) or self.open(pipeline, name)
+        if dt is None or len(dt.file_uris()) <= over_files:
+            return False
+        dt.update_incremental()
+        try:
+            dt.optimize.compact()
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, self.uri(pipeline, name)) from exc
+        return True
+
     def delete(self, pipeline: str, name: str, predicate: str, txn: Txn | None = None) -> bool:
         dt = self.open(pipeline, name)
         if dt is None or self.already_applied(dt, txn):
