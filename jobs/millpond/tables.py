@@ -53,10 +53,27 @@ def _commit(txn: Txn | None) -> CommitProperties | None:
     return CommitProperties(app_transactions=[Transaction(app_id=txn.app_id, version=txn.version)])
 
 
-def _wrap(exc: Exception, uri: str) -> MillpondError:
+def _endpoint_down(endpoint: str | None) -> bool:
+    """True if nothing accepts connections at the store's endpoint (a request cut mid-way by a store
+    that stopped surfaces from delta-rs as a bare "Generic S3 error")."""
+    import socket
+    from urllib.parse import urlparse
+
+    if not endpoint:
+        return False
+    url = urlparse(endpoint)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=1):
+            return False
+    except OSError:
+        return True
+
+
+def _wrap(exc: Exception, uri: str, endpoint: str | None = None) -> MillpondError:
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     lowered = text.lower()
-    if "connect" in lowered or "dns" in lowered or "timed out" in lowered or "error sending request" in lowered:
+    if ("connect" in lowered or "dns" in lowered or "timed out" in lowered or "error sending request" in lowered
+            or ("generic s3 error" in lowered and _endpoint_down(endpoint))):
         return MillpondError(f"object store unreachable while accessing {uri}: start it with `make up` ({text[:160]})")
     if "invalidaccesskeyid" in lowered or "signaturedoesnotmatch" in lowered or "403" in lowered:
         return MillpondError(f"object store refused the credentials for {uri}: check MILLPOND_S3_ACCESS_KEY/SECRET_KEY")
@@ -93,7 +110,7 @@ class Tables:
         except TableNotFoundError:
             return None
         except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, uri) from exc
+            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
         if isinstance(version, str):
             dt.load_as_version(version)
         if version is None:
@@ -122,7 +139,7 @@ class Tables:
                 storage_options=self.options, name=f"{pipeline}.{name}", configuration=config,
             )
         except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, uri) from exc
+            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
 
     # -- reading -----------------------------------------------------------------------------
     def read_arrow(
@@ -144,7 +161,7 @@ class Tables:
         try:
             return dt.to_pyarrow_dataset().to_table(filter=filters, columns=columns)
         except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, self.uri(pipeline, name)) from exc
+            raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
 
     def select(
         self,
@@ -172,7 +189,7 @@ class Tables:
             reader = QueryBuilder().register("t", dt).execute(sql)
             table = pa.RecordBatchReader.from_stream(reader).read_all()
         except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, self.uri(pipeline, name)) from exc
+            raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
         return plain_strings(table)
 
     def read_spark(self, spark, pipeline: str, name: str, **kwargs):
@@ -220,7 +237,7 @@ class Tables:
             else:
                 write_deltalake(dt, data, mode=mode, commit_properties=_commit(txn))
         except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, uri) from exc
+            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
         return True
 
     def merge(
@@ -255,7 +272,7 @@ class Tables:
                 merger = merger.when_matched_update_all().when_not_matched_insert_all()
             return merger.execute()
         except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, uri) from exc
+            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
 
     def compact(self, pipeline: str, name: str, over_files: int) -> bool:
         """Bin-pack a table's files into one once it has more than ``over_files`` (a ``dataChange=false``
@@ -269,7 +286,7 @@ class Tables:
         try:
             dt.optimize.compact()
         except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, self.uri(pipeline, name)) from exc
+            raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
         return True
 
     def delete(self, pipeline: str, name: str, predicate: str, txn: Txn | None = None) -> bool:
@@ -279,7 +296,7 @@ class Tables:
         try:
             dt.delete(predicate, commit_properties=_commit(txn))
         except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, self.uri(pipeline, name)) from exc
+            raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
         return True
 
 
