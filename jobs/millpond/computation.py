@@ -42,7 +42,7 @@ import pyarrow as pa
 from .config import Settings
 from .engine import BatchClock
 from .errors import MillpondError
-from .microbatch import STATE_TABLES, MicroBatch, _Timer, _ts, _us_column
+from .microbatch import EVENT_COLUMNS, STATE_TABLES, MicroBatch, _Timer, _ts, _us_column
 from .panes import TS
 from .pipeline import PipelineSpec
 from .tables import Txn, sql_in, sql_ts
@@ -274,14 +274,14 @@ class ComputationBatch(MicroBatch):
         self.streams = dict(self.computation.output_streams)
         self.output_tables = ("quarantine", "seen_ids", "ingest_log", *COMPUTATION_TABLES, *sorted(self.streams))
 
-    def process(self, batch: int, txn: Txn, clock: BatchClock, accepted: list[tuple], plan: dict[str, Any],
+    def process(self, batch: int, txn: Txn, clock: BatchClock, accepted: pa.Table, plan: dict[str, Any],
                 t: _Timer) -> dict[str, int]:
         """Run the computation over the batch's keys and the keys with due timers; commit state,
         timers, productions and the output watermark, each under the batch's transaction."""
         versions = plan["versions"]
         by_key: dict[str, list[Record]] = defaultdict(list)
-        for r in accepted:
-            by_key[r[1]].append(Record(r[0], r[1], r[2], r[3], r[4], r[3] < clock.input_watermark))
+        for i, k, v, et, at in zip(*(accepted.column(c).to_pylist() for c in EVENT_COLUMNS), strict=True):
+            by_key[k].append(Record(i, k, v, et, at, et < clock.input_watermark))
         v_timers, v_state = versions.get("timers"), versions.get("comp_state")
         keys = sorted(set(by_key) | self._due_keys(v_timers, clock))
         stored_timers, stored_state = self._read_state(keys, v_timers, v_state)

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from .objectstore import StoredObject
 from .timeutil import US, to_us
 
@@ -73,18 +77,49 @@ def parse_file(
     return good, bad
 
 
+def parse_file_table(
+    key: str, data: bytes, *, value_type: str, file_arrival_us: int, processing_time: int
+) -> tuple[pa.Table, list[tuple]]:
+    """``parse_file`` in columnar form: (elements, quarantined) of one JSONL file.
+
+    elements: a table of EVENT_SCHEMA (times in microseconds) in line order
+    quarantined: (file, line, raw, reason)
+    """
+    fast = _parse_clean_table(data, value_type, file_arrival_us, processing_time)
+    if fast is not None:
+        return fast, []
+    good, bad = parse_file(key, data, value_type=value_type, file_arrival_us=file_arrival_us,
+                           processing_time=processing_time)
+    schema = event_schema(value_type)
+    return pa.table([pa.array([r[i] for r in good], f.type) for i, f in enumerate(schema)], schema=schema), bad
+
+
+def event_schema(value_type: str) -> pa.Schema:
+    """The columns of a batch's elements (``parse_file_table``, the dedup and the per-key step)."""
+    return pa.schema([("id", pa.string()), ("key", pa.string()),
+                      ("value", pa.int64() if value_type == "int" else pa.float64()),
+                      ("event_time", pa.int64()), ("arrival_time", pa.int64())])
+
+
 def _parse_clean_file(key: str, data: bytes, value_type: str, file_arrival_us: int,
                       processing_time: int) -> list[tuple] | None:
     """Vectorised parse (pyarrow.json) of a file with nothing to quarantine; None sends the file to the
     line-by-line parser, which gives every bad row its reason. Both give the same elements."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
+    table = _parse_clean_table(data, value_type, file_arrival_us, processing_time)
+    if table is None:
+        return None
+    n = table.num_rows
+    return list(zip(*(table.column(i).to_pylist() for i in range(5)), [key] * n, range(1, n + 1), strict=True))
+
+
+def _parse_clean_table(data: bytes, value_type: str, file_arrival_us: int, processing_time: int) -> pa.Table | None:
+    """The vectorised parse as a table of ``event_schema`` (rows in line order), or None (see above)."""
     import pyarrow.json as pj
 
     if not data.strip() or b"\n\n" in data or data.startswith(b"\n") or b"\r" in data:
         return None
-    vtype = pa.int64() if value_type == "int" else pa.float64()
-    schema = pa.schema([("id", pa.string()), ("key", pa.string()), ("value", vtype),
+    out_schema = event_schema(value_type)
+    schema = pa.schema([out_schema.field("id"), out_schema.field("key"), out_schema.field("value"),
                         ("event_time", pa.string()), ("arrival_time", pa.string())])
     try:
         table = pj.read_json(pa.BufferReader(data), parse_options=pj.ParseOptions(
@@ -105,13 +140,13 @@ def _parse_clean_file(key: str, data: bytes, value_type: str, file_arrival_us: i
         return None
     n = table.num_rows
     if arrival_us is None:
-        arrivals = [file_arrival_us] * n
+        arrivals = pa.chunked_array([pa.array(np.full(n, file_arrival_us, dtype=np.int64))])
     elif arrival_col.null_count:
-        arrivals = pc.fill_null(arrival_us, file_arrival_us).to_pylist()
+        arrivals = pc.fill_null(arrival_us, file_arrival_us)
     else:
-        arrivals = arrival_us.to_pylist()
-    return list(zip(table.column("id").to_pylist(), table.column("key").to_pylist(), table.column("value").to_pylist(),
-                    event_us.to_pylist(), arrivals, [key] * n, range(1, n + 1), strict=True))
+        arrivals = arrival_us
+    return pa.table([table.column("id"), table.column("key"), table.column("value"), event_us, arrivals],
+                    schema=out_schema)
 
 
 def parse_event(raw: str, value_type: str, file_arrival_us: int, processing_time: int) -> tuple[tuple, str | None]:

@@ -14,24 +14,25 @@ import json
 import os
 import signal
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
+from itertools import pairwise
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from .config import Settings
 from .engine import BatchClock, Element, process_key, timers
 from .errors import MillpondError
-from .ingest import LandingFile, file_arrival, parse_file
+from .ingest import LandingFile, event_schema, file_arrival, parse_file_table
 from .lease import Lease
 from .objectstore import ObjectStore
-from .panes import TS, Pane, panes_table
+from .panes import TS, pane_schema
 from .pipeline import PipelineSpec, pipeline_from_dict
 from .state import WINDOWS_SCHEMA, WindowState
 from .tables import Tables, Txn, sql_in, sql_ts
@@ -48,6 +49,13 @@ EXPIRE_EVERY = 10
 LOCAL_THRESHOLD = int(os.environ.get("MILLPOND_LOCAL_THRESHOLD", "1000000"))
 #: up to this many ids/keys a SQL IN list (file pruning); above, a scan probed in Arrow
 SMALL_IN_LIST = 200
+#: the per-key step turns this many elements (+ state rows) at a time into Python objects, and assembles
+#: their output into Arrow before the next: a batch's memory grows with its Arrow columns, not beyond
+CHUNK_ELEMENTS = 200_000
+#: ids probed against earlier batches' ``seen_ids`` per call (bounds the Python lists handed over)
+SEEN_PROBE_CHUNK = 1_000_000
+#: the columns of a batch's elements, in ``Element`` field order
+EVENT_COLUMNS = ("id", "key", "value", "event_time", "arrival_time")
 
 PLAN_SCHEMA = pa.schema(
     [
@@ -177,60 +185,212 @@ def _strategy(spec_json: str):
     return pipeline_from_dict(json.loads(spec_json)).strategy()
 
 
+def key_rows(
+    spec_json: str, clock: BatchClock, key: str, elements: list[Element], state_rows: list[tuple[int, int, str]]
+) -> list[tuple[str, str, list]]:
+    """Run one key; return (row type, key, payload fields) rows (``process_group`` sends them as JSON)."""
+    strategy = _strategy(spec_json)
+    stored = [WindowState.from_json(Window(s, e), st) for s, e, st in state_rows]
+    res = process_key(key, stored, elements, clock, strategy)
+    out: list[tuple[str, str, list]] = []
+    for p in res.panes:
+        out.append(("pane", key, [p.window_start, p.window_end, p.value, p.pane_index, p.timing, p.is_last, p.kind,
+                                  p.seq]))
+    for ws in res.upserts:
+        et, pt = timers(ws, strategy, clock)
+        out.append(("state", key, [ws.window.start, ws.window.end, ws.to_json(), et, pt]))
+    for w in res.deletes:
+        out.append(("delete", key, [w.start, w.end]))
+    for w in res.merged_away:
+        out.append(("gone", key, [w.start, w.end]))
+    for el, reason in res.late:
+        out.append(("late", key, [el.id, el.value, el.event_time, el.arrival_time, reason]))
+    return out
+
+
 def process_group(
     spec_json: str, clock: BatchClock, key: str, elements: list[Element], state_rows: list[tuple[int, int, str]]
 ) -> list[tuple[str, str, str]]:
     """Run one key; return (row type, key, JSON payload) rows for the driver to commit."""
-    strategy = _strategy(spec_json)
-    stored = [WindowState.from_json(Window(s, e), st) for s, e, st in state_rows]
-    res = process_key(key, stored, elements, clock, strategy)
-    out: list[tuple[str, str, str]] = []
-    for p in res.panes:
-        out.append(("pane", key, json.dumps([p.window_start, p.window_end, p.value, p.pane_index, p.timing,
-                                             p.is_last, p.kind, p.seq])))
-    for ws in res.upserts:
-        et, pt = timers(ws, strategy, clock)
-        out.append(("state", key, json.dumps([ws.window.start, ws.window.end, ws.to_json(), et, pt])))
-    for w in res.deletes:
-        out.append(("delete", key, json.dumps([w.start, w.end])))
-    for w in res.merged_away:
-        out.append(("gone", key, json.dumps([w.start, w.end])))
-    for el, reason in res.late:
-        out.append(("late", key, json.dumps([el.id, el.value, el.event_time, el.arrival_time, reason])))
-    return out
+    return [(rtype, k, json.dumps(payload)) for rtype, k, payload in key_rows(spec_json, clock, key, elements,
+                                                                             state_rows)]
 
 
-def _run_local(spec_json: str, clock: BatchClock, elements: list[Element], state: pa.Table) -> list[tuple]:
-    by_key: dict[str, list[Element]] = defaultdict(list)
-    for el in elements:
-        by_key[el.key].append(el)
-    st_by_key: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
-    if state.num_rows:
-        for k, s, e, js in zip(state.column("key").to_pylist(), _us_column(state, "window_start"),
-                               _us_column(state, "window_end"), state.column("state").to_pylist(), strict=True):
-            st_by_key[k].append((s, e, js))
-    out: list[tuple] = []
-    for key in sorted(set(by_key) | set(st_by_key)):
-        out += process_group(spec_json, clock, key, by_key.get(key, []), st_by_key.get(key, []))
-    return out
+def _chunks(offsets: np.ndarray, size: int) -> Iterator[tuple[int, int]]:
+    """(lo, hi) ranges of consecutive groups (group g holds items offsets[g]..offsets[g+1]) of about
+    ``size`` items each; a group is never split, so one larger than ``size`` makes a chunk alone."""
+    n = len(offsets) - 1
+    lo = 0
+    while lo < n:
+        hi = int(np.searchsorted(offsets, offsets[lo] + size, side="right")) - 1
+        hi = min(n, max(hi, lo + 1))
+        yield lo, hi
+        lo = hi
 
 
-def _run_spark(spark, spec_json: str, clock: BatchClock, elements: list[Element], state: pa.Table,
-               value_type: str) -> list[tuple]:
+def _key_chunks(events: pa.Table, state: pa.Table) -> Iterator[tuple[list[str], list[list[Element]],
+                                                                     list[list[tuple[int, int, str]]]]]:
+    """The keys of the batch's elements and state rows in ascending order, whole keys at a time (about
+    CHUNK_ELEMENTS elements + state rows per chunk), each with its elements and state rows in table order:
+    only one chunk at a time exists as Python objects."""
+    parts = [c for t in (events, state) for c in t.column("key").cast(pa.string()).chunks]
+    keys = pc.unique(pa.chunked_array(parts, pa.string()))
+    keys = keys.take(pc.sort_indices(keys))  # UTF-8 byte order: the order of Python's sorted()
+    nk = len(keys)
+    if not nk:
+        return
+
+    def layout(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+        """Row order grouping the table by key rank (stable), and where each key's rows start."""
+        offsets = np.zeros(nk + 1, np.int64)
+        if not table.num_rows:
+            return np.zeros(0, np.int64), offsets
+        rank = pc.index_in(table.column("key").cast(pa.string()), value_set=keys).to_numpy()
+        np.cumsum(np.bincount(rank, minlength=nk), out=offsets[1:])
+        return np.argsort(rank, kind="stable"), offsets
+
+    ev_order, ev_off = layout(events)
+    st_order, st_off = layout(state)
+    for lo, hi in _chunks(ev_off + st_off, CHUNK_ELEMENTS):
+        ev = events.take(ev_order[ev_off[lo]:ev_off[hi]])
+        elements = [Element(*r) for r in zip(*(ev.column(c).to_pylist() for c in EVENT_COLUMNS), strict=True)]
+        st = state.take(st_order[st_off[lo]:st_off[hi]])
+        st_rows = list(zip(_us_column(st, "window_start"), _us_column(st, "window_end"),
+                           st.column("state").to_pylist(), strict=True))
+        del ev, st
+        e_off = (ev_off[lo:hi + 1] - ev_off[lo]).tolist()
+        s_off = (st_off[lo:hi + 1] - st_off[lo]).tolist()
+        yield (keys.slice(lo, hi - lo).to_pylist(), [elements[a:b] for a, b in pairwise(e_off)],
+               [st_rows[a:b] for a, b in pairwise(s_off)])
+
+
+def _current_rows(panes: list[tuple], gone: list[tuple[str, int, int]], discarding: bool) -> list[tuple]:
+    """The current view's rows for whole keys: latest value per (key, window) (every value pane when
+    discarding); merged-away sessions deleted. Panes are (key, start, end, value, index, timing, ...) in
+    emission order."""
+    values = [p for p in panes if p[7] == "value"]
+    if discarding:
+        rows = [(p[0], p[1], p[2], p[3], p[4], p[5], False) for p in values]
+    else:
+        latest: dict[tuple[str, int, int], tuple] = {}
+        for p in values:
+            latest[(p[0], p[1], p[2])] = p
+        rows = [(p[0], p[1], p[2], p[3], p[4], p[5], False) for p in latest.values()]
+        rows += [(k, s, e, None, -1, "", True) for k, s, e in gone if (k, s, e) not in latest]
+    rows.sort(key=lambda r: (r[0], r[1], r[2], r[4]))
+    return rows
+
+
+class _Assembly:
+    """The per-key step's output, assembled into Arrow tables chunk by chunk.
+
+    ``add`` takes the rows (``key_rows``) of whole keys, keys ascending from call to call: every batch-wide
+    order (panes by key then emission, with ``seq`` numbered batch-wide; state rows and the current view
+    by key and window; late rows by key) is then the concatenation of the chunks' orders."""
+
+    def __init__(self, batch: int, clock: BatchClock, value_type: str, pane_type: str, discarding: bool) -> None:
+        self.batch, self.clock, self.discarding = batch, clock, discarding
+        self.pane_schema, self.late_schema = pane_schema(pane_type), late_schema(value_type)
+        self.current_schema = current_schema(pane_type)
+        self._parts: dict[str, list[pa.Table]] = {"panes": [], "state": [], "late": [], "current": []}
+        self.values = self.retractions = 0
+
+    def _const(self, value: int, n: int, type_: pa.DataType = pa.int64()) -> pa.Array:
+        return pa.array(np.full(n, value, np.int64)).cast(type_)
+
+    def add(self, rows: list[tuple[str, str, list]]) -> None:
+        panes: list[tuple] = []
+        states: dict[tuple[str, int, int], tuple] = {}
+        gone: list[tuple[str, int, int]] = []
+        late: list[tuple] = []
+        for rtype, key, p in rows:
+            if rtype == "pane":
+                panes.append((key, *p))
+            elif rtype == "state":
+                states[(key, p[0], p[1])] = (key, p[0], p[1], p[2], p[3], p[4], False)
+            elif rtype == "delete":
+                # A state row may be both deleted (merged away) and re-created within a batch: keep the upsert.
+                states.setdefault((key, p[0], p[1]), (key, p[0], p[1], None, None, None, True))
+            elif rtype == "gone":
+                gone.append((key, p[0], p[1]))
+            elif rtype == "late":
+                late.append((p[0], key, *p[1:]))
+        panes.sort(key=lambda x: (x[0], x[8]))  # by key, then the order the key emitted them
+        if panes:
+            n = len(panes)
+            col = list(zip(*panes, strict=True))
+            kinds = pa.array(col[7], pa.string())
+            self.values += pc.sum(pc.equal(kinds, "value")).as_py() or 0
+            self.retractions += pc.sum(pc.equal(kinds, "retraction")).as_py() or 0
+            ps = self.pane_schema
+            self._parts["panes"].append(pa.Table.from_arrays([
+                pa.array(col[0], pa.string()), _ts(col[1]), _ts(col[2]), pa.array(col[3], ps.field("value").type),
+                pa.array(col[4], pa.int64()), pa.array(col[5], pa.string()), pa.array(col[6], pa.bool_()), kinds,
+                self._const(self.batch, n), self._const(self.clock.processing_time, n, TS),
+                self._const(self.clock.watermark, n, TS), pa.array(col[8], pa.int64())], schema=ps))
+        if states:
+            rows_s = [states[k] for k in sorted(states)]
+            col = list(zip(*rows_s, strict=True))
+            self._parts["state"].append(pa.Table.from_arrays([
+                pa.array(col[0], pa.string()), _ts(col[1]), _ts(col[2]), pa.array(col[3], pa.string()), _ts(col[4]),
+                _ts(col[5]), self._const(self.batch, len(rows_s)), pa.array(col[6], pa.bool_())],
+                schema=WINDOWS_SCHEMA))
+        if late:
+            col = list(zip(*late, strict=True))
+            ls = self.late_schema
+            self._parts["late"].append(pa.Table.from_arrays([
+                pa.array(col[0], pa.string()), pa.array(col[1], pa.string()), pa.array(col[2], ls.field("value").type),
+                _ts(col[3]), _ts(col[4]), pa.array(col[5], pa.string()), self._const(self.batch, len(late))],
+                schema=ls))
+        current = _current_rows(panes, gone, self.discarding)
+        if current:
+            col = list(zip(*current, strict=True))
+            cs = self.current_schema
+            self._parts["current"].append(pa.Table.from_arrays([
+                pa.array(col[0], pa.string()), _ts(col[1]), _ts(col[2]), pa.array(col[3], cs.field("value").type),
+                pa.array(col[4], pa.int64()), pa.array(col[5], pa.string()), self._const(self.batch, len(current)),
+                pa.array(col[6], pa.bool_())], schema=cs))
+
+    def finish(self) -> _Assembly:
+        """Concatenate the chunks into ``panes``, ``state`` (rows to merge into ``windows``), ``late`` and
+        ``current`` tables."""
+        def concat(name: str, schema: pa.Schema) -> pa.Table:
+            parts, self._parts[name] = self._parts[name], []
+            return pa.concat_tables(parts).combine_chunks() if parts else schema.empty_table()
+
+        panes = concat("panes", self.pane_schema)
+        self.panes = panes.set_column(panes.schema.get_field_index("seq"), "seq",
+                                      pa.array(np.arange(1, panes.num_rows + 1, dtype=np.int64)))
+        self.state = concat("state", WINDOWS_SCHEMA)
+        self.late = concat("late", self.late_schema)
+        self.current = concat("current", self.current_schema)
+        return self
+
+
+def _run_local(spec_json: str, clock: BatchClock, events: pa.Table, state: pa.Table, sink: _Assembly) -> None:
+    for keys, elements, state_rows in _key_chunks(events, state):
+        rows: list[tuple] = []
+        for key, els, sts in zip(keys, elements, state_rows, strict=True):
+            rows += key_rows(spec_json, clock, key, els, sts)
+        sink.add(rows)
+
+
+def _run_spark(spark, spec_json: str, clock: BatchClock, events: pa.Table, state: pa.Table, value_type: str,
+               sink: _Assembly) -> None:
     """The per-key step on Spark: elements and state rows hashed by key into partitions, each partition
     processed by one Python call (``mapInArrow``) that runs ``process_group`` key by key."""
     vtype = pa.int64() if value_type == "int" else pa.float64()
-    n_ev, n_st = len(elements), state.num_rows
-    combined = pa.table({
-        "key": pa.array([e.key for e in elements] + state.column("key").to_pylist(), pa.string()),
-        "id": pa.array([e.id for e in elements] + [None] * n_st, pa.string()),
-        "value": pa.array([e.value for e in elements] + [None] * n_st, vtype),
-        "event_time": pa.array([e.event_time for e in elements] + [None] * n_st, pa.int64()),
-        "arrival_time": pa.array([e.arrival_time for e in elements] + [None] * n_st, pa.int64()),
-        "window_start": pa.array([None] * n_ev + _us_column(state, "window_start"), pa.int64()),
-        "window_end": pa.array([None] * n_ev + _us_column(state, "window_end"), pa.int64()),
-        "state": pa.array([None] * n_ev + state.column("state").to_pylist(), pa.string()),
-    })
+    n_ev, n_st = events.num_rows, state.num_rows
+    schema = pa.schema([("key", pa.string()), ("id", pa.string()), ("value", vtype), ("event_time", pa.int64()),
+                        ("arrival_time", pa.int64()), ("window_start", pa.int64()), ("window_end", pa.int64()),
+                        ("state", pa.string())])
+    combined = pa.concat_tables([
+        pa.table([events.column(c) for c in ("key", "id", "value", "event_time", "arrival_time")]
+                 + [pa.nulls(n_ev, f.type) for f in schema][5:], schema=schema),
+        pa.table([state.column("key").cast(pa.string())] + [pa.nulls(n_st, f.type) for f in schema][1:5]
+                 + [state.column("window_start").cast(pa.int64()), state.column("window_end").cast(pa.int64()),
+                    state.column("state").cast(pa.string())], schema=schema),
+    ])
     partitions = int(spark.conf.get("spark.sql.shuffle.partitions"))
 
     def run(batches):
@@ -257,8 +417,20 @@ def _run_spark(spark, spec_json: str, clock: BatchClock, elements: list[Element]
 
     result = (spark.createDataFrame(combined).repartition(partitions, "key")
               .mapInArrow(run, "rtype string, key string, payload string").toArrow())
-    return list(zip(result.column("rtype").to_pylist(), result.column("key").to_pylist(),
-                    result.column("payload").to_pylist(), strict=True))
+    del combined
+    n = result.num_rows
+    if not n:
+        return
+    # Stable: a key's rows keep the order it emitted them in.
+    result = result.take(pc.sort_indices(result.column("key")))
+    keys = result.column("key")
+    change = pc.not_equal(keys.slice(1), keys.slice(0, n - 1)).to_numpy(zero_copy_only=False)
+    starts = np.concatenate([[0], np.flatnonzero(change) + 1, [n]]).astype(np.int64)
+    for lo, hi in _chunks(starts, CHUNK_ELEMENTS):
+        part = result.slice(starts[lo], starts[hi] - starts[lo])
+        sink.add([(r, k, json.loads(p)) for r, k, p in zip(part.column("rtype").to_pylist(),
+                                                           part.column("key").to_pylist(),
+                                                           part.column("payload").to_pylist(), strict=True)])
 
 
 # -- the batch ------------------------------------------------------------------------------------
@@ -392,23 +564,26 @@ class MicroBatch:
         t.lap("ingest")
 
         # Dedup: within the batch, then against ids seen by earlier batches.
-        good.sort(key=lambda r: (r[4], r[5], r[6]))
-        first: dict[str, tuple] = {}
-        for r in good:
-            first.setdefault(r[0], r)
-        seen = self._seen(plan["versions"].get("seen_ids"), list(first), [r[3] for r in first.values()])
-        accepted = [r for i, r in first.items() if i not in seen]
-        duplicates = len(good) - len(accepted)
+        accepted = self._dedup(good, plan["versions"].get("seen_ids"))
+        duplicates = good.num_rows - accepted.num_rows
+        del good
         t.lap("dedup")
 
         # Watermark: the policy's candidate, never moving backwards.
-        max_et = max([r[3] for r in accepted] + ([max_et_prev] if max_et_prev is not None else []), default=None)
+        event_times = accepted.column("event_time")
+        max_et = max(([pc.max(event_times).as_py()] if accepted.num_rows else [])
+                     + ([max_et_prev] if max_et_prev is not None else []), default=None)
         if watermark is not None:
             candidate = to_us(watermark)
         else:
-            candidate = self.spec.watermark_policy.candidate(
+            policy = self.spec.watermark_policy
+            # arrival - event time per element: only the percentile policy reads them
+            delays = (pc.subtract(accepted.column("arrival_time"), event_times).to_pylist()
+                      if policy.kind == "percentile" else None)
+            candidate = policy.candidate(
                 batch_index=batch - 1, processing_time=P, max_event_time=max_et,
-                oldest_pending=plan["versions"].get("oldest_pending"), delays=[r[4] - r[3] for r in accepted])
+                oldest_pending=plan["versions"].get("oldest_pending"), delays=delays)
+            del delays
         w_new = advance(w_in, candidate)
         clock = BatchClock(batch=batch, processing_time=P, input_watermark=w_in, watermark=w_new)
         t.lap("watermark")
@@ -421,15 +596,15 @@ class MicroBatch:
                 {"source_file": [b[0] for b in bad], "line": pa.array([b[1] for b in bad], pa.int64()),
                  "raw": [b[2] for b in bad], "reason": [b[3] for b in bad],
                  "batch": pa.array([batch] * len(bad), pa.int64())}, schema=QUARANTINE_SCHEMA), txn=txn))
-        if accepted:
+        if accepted.num_rows:
             self._step("seen_ids", lambda: self.tables.append(name, "seen_ids", pa.table(
-                {"id": [r[0] for r in accepted], "event_time": _ts(r[3] for r in accepted),
-                 "batch": pa.array([batch] * len(accepted), pa.int64())}, schema=SEEN_SCHEMA), txn=txn))
+                {"id": accepted.column("id"), "event_time": event_times.cast(TS),
+                 "batch": pa.array(np.full(accepted.num_rows, batch, np.int64))}, schema=SEEN_SCHEMA), txn=txn))
         self._expire_seen(batch, txn, clock)
         self._flush()
         t.lap("commit")
-        counts = {"files": len(plan["files"]), "input": len(accepted) + duplicates + len(bad),
-                  "accepted": len(accepted), "duplicates": duplicates, "quarantined": len(bad),
+        counts = {"files": len(plan["files"]), "input": accepted.num_rows + duplicates + len(bad),
+                  "accepted": accepted.num_rows, "duplicates": duplicates, "quarantined": len(bad),
                   "late": 0, "panes": 0, "retractions": 0, "state_rows_read": 0, **outputs}
         marker = {"batch": batch, "processing_time": P, "watermark": w_new, "input_watermark": w_in,
                   "max_event_time": max_et, **counts,
@@ -451,37 +626,72 @@ class MicroBatch:
     #: tables whose versions the plan pins (reads of state use them); a subclass adds its own
     state_tables: tuple[str, ...] = STATE_TABLES
 
-    def process(self, batch: int, txn: Txn, clock: BatchClock, accepted: list[tuple], plan: dict[str, Any],
+    def process(self, batch: int, txn: Txn, clock: BatchClock, accepted: pa.Table, plan: dict[str, Any],
                 t: _Timer) -> dict[str, int]:
-        """Windows, triggers and panes for the batch's elements; commits its own outputs (a MillWheel
-        computation replaces this step, see ``millpond.computation``). Returns counts for the marker."""
-        elements = [Element(r[0], r[1], r[2], r[3], r[4]) for r in accepted]
-        keys = sorted({e.key for e in elements})
+        """Windows, triggers and panes for the batch's elements (``accepted``: a table of EVENT_COLUMNS);
+        commits its own outputs (a MillWheel computation replaces this step, see ``millpond.computation``).
+        Returns counts for the marker."""
+        keys = sorted(pc.unique(accepted.column("key")).to_pylist())
         state = self._state(plan["versions"].get("windows"), keys, clock)
+        del keys
         spec_json = json.dumps(self.spec.raw, sort_keys=True, default=str)
-        if self.spark is not None and len(elements) >= LOCAL_THRESHOLD:
-            rows = _run_spark(self.spark, spec_json, clock, elements, state, self.spec.value_type)
+        out = _Assembly(batch, clock, self.spec.value_type, self.spec.pane_value_type,
+                        self.spec.mode.value == "discarding")
+        if self.spark is not None and accepted.num_rows >= LOCAL_THRESHOLD:
+            _run_spark(self.spark, spec_json, clock, accepted, state, self.spec.value_type, out)
         else:
-            rows = _run_local(spec_json, clock, elements, state)
+            _run_local(spec_json, clock, accepted, state, out)
+        out.finish()
         t.lap("windowing")
-        counts = self._commit(batch, txn, clock, rows, accepted, t)
+        counts = self._commit(batch, txn, clock, out, accepted, t)
         counts["state_rows_read"] = state.num_rows
         return counts
 
-    def _read(self, plan: dict[str, Any], P: int) -> tuple[list[tuple], list[tuple]]:
-        def one(item: tuple[str, int]) -> tuple[list[tuple], list[tuple]]:
+    def _read(self, plan: dict[str, Any], P: int) -> tuple[pa.Table, list[tuple]]:
+        """The planned files' elements as one table (files in key order, each in line order: a stable
+        sort by arrival then orders by (arrival, file, line)) and the quarantined rows."""
+        def one(item: tuple[str, int]) -> tuple[pa.Table, list[tuple]]:
             key, arrival = item
             data = self.store.get_bytes(self.settings.bucket_landing, key)
-            return parse_file(key, data, value_type=self.spec.value_type, file_arrival_us=arrival,
-                              processing_time=P)
+            return parse_file_table(key, data, value_type=self.spec.value_type, file_arrival_us=arrival,
+                                    processing_time=P)
 
-        good: list[tuple] = []
+        parts: dict[str, pa.Table] = {}
         bad: list[tuple] = []
         with ThreadPoolExecutor(max_workers=8) as pool:
-            for g, b in pool.map(one, zip(plan["files"], plan["arrivals"], strict=True)):
-                good += g
+            for key, (g, b) in zip(plan["files"], pool.map(one, zip(plan["files"], plan["arrivals"], strict=True)),
+                                   strict=True):
+                parts[key] = g
                 bad += b
-        return good, bad
+        if not parts:
+            return event_schema(self.spec.value_type).empty_table(), bad
+        return pa.concat_tables([parts[k] for k in sorted(parts)]), bad
+
+    def _dedup(self, good: pa.Table, seen_version: int | None) -> pa.Table:
+        """Within the batch the first by (arrival, file, line) of each id wins; ids accepted by earlier
+        batches are duplicates. The accepted elements, in (arrival, file, line) order."""
+        n = good.num_rows
+        if not n:
+            return good
+        order = pc.sort_indices(good.column("arrival_time")).to_numpy()  # stable (see _read)
+        rank = np.empty(n, np.int64)
+        rank[order] = np.arange(n, dtype=np.int64)
+        firsts = pa.table({"id": good.column("id"), "rank": rank}).group_by("id").aggregate([("rank", "min")])
+        del rank
+        keep = order if firsts.num_rows == n else order[np.sort(firsts.column("rank_min").to_numpy())]
+        del firsts, order
+        accepted = good.take(keep)
+        del keep
+        if seen_version is None:  # no earlier batch has accepted anything
+            return accepted
+        seen: set[str] = set()
+        ids, event_times = accepted.column("id"), accepted.column("event_time")
+        for lo in range(0, accepted.num_rows, SEEN_PROBE_CHUNK):
+            seen |= self._seen(seen_version, ids.slice(lo, SEEN_PROBE_CHUNK).to_pylist(),
+                               event_times.slice(lo, SEEN_PROBE_CHUNK).to_pylist())
+        if not seen:
+            return accepted
+        return accepted.filter(pc.invert(pc.is_in(ids, value_set=pa.array(sorted(seen), pa.string()))))
 
     def _seen(self, version: int | None, ids: list[str], event_times: list[int]) -> set[str]:
         """Ids already accepted by earlier batches. A record id names one event, whose event time does
@@ -538,101 +748,56 @@ class MicroBatch:
         t = self.tables.select(self.name, "windows", version=version)
         return t.filter(pc.is_in(t.column("key"), value_set=pa.array(all_keys, pa.string())))
 
-    def _commit(self, batch: int, txn: Txn, clock: BatchClock, rows: list[tuple], accepted: list[tuple],
+    def _commit(self, batch: int, txn: Txn, clock: BatchClock, out: _Assembly, accepted: pa.Table,
                 t: _Timer) -> dict[str, int]:
-        value_type = self.spec.value_type
-        pane_type = self.spec.pane_value_type
-        rows = sorted(rows, key=lambda r: (r[1], r[0]))
-        panes: list[Pane] = []
-        state_rows: list[dict[str, Any]] = []
-        gone: list[tuple[str, int, int]] = []
-        late_rows: list[dict[str, Any]] = []
-        for rtype, key, payload in rows:
-            p = json.loads(payload)
-            if rtype == "pane":
-                panes.append(Pane(key, p[0], p[1], p[2], p[3], p[4], p[5], p[6], batch, clock.processing_time,
-                                  clock.watermark, p[7]))
-            elif rtype == "state":
-                state_rows.append({"key": key, "window_start": p[0], "window_end": p[1], "state": p[2],
-                                   "event_timer": p[3], "ptime_timer": p[4], "batch": batch, "deleted": False})
-            elif rtype == "delete":
-                state_rows.append({"key": key, "window_start": p[0], "window_end": p[1], "state": None,
-                                   "event_timer": None, "ptime_timer": None, "batch": batch, "deleted": True})
-            elif rtype == "gone":
-                gone.append((key, p[0], p[1]))
-            elif rtype == "late":
-                late_rows.append({"id": p[0], "key": key, "value": p[1], "event_time": p[2], "arrival_time": p[3],
-                                  "reason": p[4], "batch": batch})
-        # Emission order: by key, then the order the key emitted them; seq renumbered batch-wide.
-        panes.sort(key=lambda x: (x.key, x.seq))
-        panes = [Pane(**{**x.__dict__, "seq": i}) for i, x in enumerate(panes, start=1)]
-        # A state row may be both deleted (merged away) and re-created within a batch: keep the upsert.
-        by_window: dict[tuple[str, int, int], dict[str, Any]] = {}
-        for r in state_rows:
-            k = (r["key"], r["window_start"], r["window_end"])
-            if k not in by_window or not r["deleted"]:
-                by_window[k] = r
-        state_rows = [by_window[k] for k in sorted(by_window)]
         t.lap("assemble")
         if self.validate:
-            self._validate(batch, clock, accepted, panes, state_rows, pane_type)
+            self._validate(batch, clock, accepted, out.panes, out.state)
             t.lap("validation")
 
         name = self.name
-        if late_rows:
-            schema = late_schema(value_type)
-            self._step("late", lambda: self.tables.append(name, "late", pa.table(
-                {"id": [r["id"] for r in late_rows], "key": [r["key"] for r in late_rows],
-                 "value": pa.array([r["value"] for r in late_rows], schema.field("value").type),
-                 "event_time": _ts(r["event_time"] for r in late_rows),
-                 "arrival_time": _ts(r["arrival_time"] for r in late_rows),
-                 "reason": [r["reason"] for r in late_rows],
-                 "batch": pa.array([batch] * len(late_rows), pa.int64())}, schema=schema), txn=txn))
-        if panes:
-            self._step("panes", lambda: self.tables.append(name, "panes", panes_table(panes, pane_type), txn=txn))
-        self._commit_current(batch, txn, panes, gone, pane_type)
-        if state_rows:
-            self._step("windows", lambda: self.tables.merge(name, "windows", pa.table(
-                {"key": [r["key"] for r in state_rows],
-                 "window_start": _ts(r["window_start"] for r in state_rows),
-                 "window_end": _ts(r["window_end"] for r in state_rows),
-                 "state": pa.array([r["state"] for r in state_rows], pa.string()),
-                 "event_timer": _ts(r["event_timer"] for r in state_rows),
-                 "ptime_timer": _ts(r["ptime_timer"] for r in state_rows),
-                 "batch": pa.array([batch] * len(state_rows), pa.int64()),
-                 "deleted": pa.array([r["deleted"] for r in state_rows], pa.bool_())}, schema=WINDOWS_SCHEMA),
+        late, panes, state = out.late, out.panes, out.state
+        if late.num_rows:
+            self._step("late", lambda: self.tables.append(name, "late", late, txn=txn))
+        if panes.num_rows:
+            self._step("panes", lambda: self.tables.append(name, "panes", panes, txn=txn))
+        self._commit_current(batch, txn, out.current)
+        if state.num_rows:
+            self._step("windows", lambda: self.tables.merge(name, "windows", state,
                 on=["key", "window_start", "window_end"], delete_when="s.deleted", txn=txn,
                 stats_columns=["key", "window_start", "window_end", "event_timer", "ptime_timer"]))
-        return {"late": len(late_rows), "panes": sum(1 for p in panes if p.kind == "value"),
-                "retractions": sum(1 for p in panes if p.kind == "retraction")}
+        return {"late": late.num_rows, "panes": out.values, "retractions": out.retractions}
 
-    def _validate(self, batch: int, clock: BatchClock, accepted: list[tuple], panes: list[Pane],
-                  state_rows: list[dict[str, Any]], pane_type: str) -> None:
+    def _validate(self, batch: int, clock: BatchClock, accepted: pa.Table, panes: pa.Table, state: pa.Table
+                  ) -> None:
         """Great Expectations on what this batch read, will emit and will keep; critical stops it here,
         before anything is published."""
         import pandas as pd
 
         from .quality import validate_batch
 
-        raw = pd.DataFrame({"id": [r[0] for r in accepted], "key": [r[1] for r in accepted],
-                            "value": [r[2] for r in accepted],
-                            "event_time": pd.to_datetime([r[3] for r in accepted], unit="us", utc=True)})
-        pane_df = panes_table(panes, pane_type).to_pandas()
-        live = [r for r in state_rows if not r["deleted"]]
+        def col(table: pa.Table, name: str) -> list[Any]:
+            return table.column(name).to_pylist()
+
+        def times(table: pa.Table, name: str) -> pd.DatetimeIndex:
+            return pd.to_datetime(_us_column(table, name), unit="us", utc=True)
+
+        raw = pd.DataFrame({"id": col(accepted, "id"), "key": col(accepted, "key"), "value": col(accepted, "value"),
+                            "event_time": times(accepted, "event_time")})
+        pane_df = panes.to_pandas()
+        live = state.filter(pc.invert(state.column("deleted")))
         state_df = pd.DataFrame({
-            "key": [r["key"] for r in live], "state": [r["state"] for r in live],
-            "window_start": pd.to_datetime([r["window_start"] for r in live], unit="us", utc=True),
-            "window_end": pd.to_datetime([r["window_end"] for r in live], unit="us", utc=True),
-            "event_timer": pd.to_datetime([r["event_timer"] for r in live], unit="us", utc=True),
-            "ptime_timer": pd.to_datetime([r["ptime_timer"] for r in live], unit="us", utc=True),
-            "batch": [batch] * len(live)})
-        retractions = [p for p in panes if p.kind == "retraction"]
+            "key": col(live, "key"), "state": col(live, "state"),
+            "window_start": times(live, "window_start"), "window_end": times(live, "window_end"),
+            "event_timer": times(live, "event_timer"), "ptime_timer": times(live, "ptime_timer"),
+            "batch": [batch] * live.num_rows})
+        retractions = panes.filter(pc.equal(panes.column("kind"), "retraction"))
         prior = None
-        if retractions:
+        if retractions.num_rows:
             # Only the retracted windows' earlier panes matter: bounding window_start lets file statistics
             # skip old pane files, so this read does not grow with the pane log.
-            where = (f"window_start >= {sql_ts(min(p.window_start for p in retractions))} AND "
-                     + sql_in("key", sorted({p.key for p in retractions})))
+            where = (f"window_start >= {sql_ts(min(_us_column(retractions, 'window_start')))} AND "
+                     + sql_in("key", sorted(set(col(retractions, "key")))))
             prior = self.tables.select(self.name, "panes", where, schema=pa.schema([("key", pa.string())])).to_pandas()
         report = validate_batch(self.settings, self.name, batch, raw=raw, panes=pane_df, state=state_df,
                                 prior_panes=prior, processing_time=to_datetime(clock.processing_time),
@@ -645,31 +810,15 @@ class MicroBatch:
                 + "; ".join(report.critical_failures[:3]) + where
             )
 
-    def _commit_current(self, batch: int, txn: Txn, panes: list[Pane], gone: list[tuple[str, int, int]],
-                        pane_type: str) -> None:
-        """The current view: latest value per (key, window); merged-away sessions deleted."""
-        schema = current_schema(pane_type)
-        values = [p for p in panes if p.kind == "value"]
+    def _commit_current(self, batch: int, txn: Txn, table: pa.Table) -> None:
+        """The current view: latest value per (key, window); merged-away sessions deleted (rows made by
+        ``_current_rows``)."""
         if self.spec.mode.value == "discarding":
-            rows = [(p.key, p.window_start, p.window_end, p.value, p.pane_index, p.timing, False) for p in values]
             on = ["key", "window_start", "window_end", "pane_index"]
         else:
-            latest: dict[tuple[str, int, int], Pane] = {}
-            for p in values:
-                latest[(p.key, p.window_start, p.window_end)] = p
-            rows = [(p.key, p.window_start, p.window_end, p.value, p.pane_index, p.timing, False)
-                    for p in latest.values()]
-            rows += [(k, s, e, None, -1, "", True) for k, s, e in gone if (k, s, e) not in latest]
             on = ["key", "window_start", "window_end"]
-        if not rows:
+        if not table.num_rows:
             return
-        rows.sort(key=lambda r: (r[0], r[1], r[2], r[4]))
-        table = pa.table({
-            "key": [r[0] for r in rows], "window_start": _ts(r[1] for r in rows), "window_end": _ts(r[2] for r in rows),
-            "value": pa.array([r[3] for r in rows], schema.field("value").type),
-            "pane_index": pa.array([r[4] for r in rows], pa.int64()), "timing": [r[5] for r in rows],
-            "batch": pa.array([batch] * len(rows), pa.int64()), "deleted": pa.array([r[6] for r in rows], pa.bool_()),
-        }, schema=schema)
         self._step("current", lambda: self.tables.merge(self.name, "current", table, on=on, delete_when="s.deleted",
                                                         txn=txn))
 
