@@ -819,8 +819,20 @@ class MicroBatch:
             on = ["key", "window_start", "window_end"]
         if not table.num_rows:
             return
-        self._step("current", lambda: self.tables.merge(self.name, "current", table, on=on, delete_when="s.deleted",
-                                                        txn=txn))
+        existing = self.tables.open(self.name, "current")
+        if existing is not None and "window_day" not in {f.name for f in existing.schema().fields}:
+            # a view created before it was partitioned: merged as before
+            self._step("current", lambda: self.tables.merge(self.name, "current", table, on=on,
+                                                            delete_when="s.deleted", txn=txn))
+            return
+        # Partitioned by the window's UTC day, and the MERGE told which days it touches: a batch rewrites
+        # the files of the days it updates, not the whole view (which grows with history).
+        table = table.append_column("window_day", pc.cast(table.column("window_start"), pa.date32()))
+        days = sorted({d.isoformat() for d in pc.unique(table.column("window_day")).to_pylist()})
+        target = "t.window_day IN (" + ", ".join(f"'{d}'" for d in days) + ")"
+        self._step("current", lambda: self.tables.merge(
+            self.name, "current", table, on=["window_day", *on], delete_when="s.deleted", txn=txn,
+            partition_by=["window_day"], target_filter=target))
 
 
 def run_batch(settings: Settings, spec: PipelineSpec, processing_time: datetime | int | str, *,

@@ -251,17 +251,21 @@ class Tables:
         txn: Txn | None = None,
         partition_by: Sequence[str] | None = None,
         stats_columns: Sequence[str] | None = None,
+        target_filter: str | None = None,
     ) -> dict[str, Any] | None:
         """Upsert ``source`` by the ``on`` columns in one Delta commit.
 
         Rows matching ``delete_when`` (a predicate over ``s.`` source columns) delete their target
-        row instead of updating it. Returns the merge metrics, or None if ``txn`` was already applied.
+        row instead of updating it. ``target_filter`` (over ``t.`` columns, e.g. the partitions the
+        source touches) lets the merge skip the other files. Returns the merge metrics, or None if
+        ``txn`` was already applied.
         """
         uri = self.uri(pipeline, name)
         dt = self.ensure(pipeline, name, source.schema, partition_by, stats_columns)
         if self.already_applied(dt, txn):
             return None
-        predicate = " AND ".join(f"t.`{c}` = s.`{c}`" for c in on)
+        predicate = " AND ".join(([f"({target_filter})"] if target_filter else [])
+                                 + [f"t.`{c}` = s.`{c}`" for c in on])
         try:
             merger = dt.merge(source, predicate, source_alias="s", target_alias="t", commit_properties=_commit(txn))
             if delete_when:
