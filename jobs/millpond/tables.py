@@ -84,15 +84,20 @@ def _wrap(exc: Exception, uri: str, endpoint: str | None = None) -> MillpondErro
     return MillpondError(f"Delta operation on {uri} failed: {text[:300]}")
 
 
+_SNAPSHOTS: dict[tuple[str, str], dict[str, DeltaTable]] = {}
+
+
 class Tables:
     """Delta tables of the lake, addressed by pipeline and name."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.options = storage_options(settings)
-        # Latest snapshots opened by this object, refreshed incrementally: a batch opens each table
-        # several times, and replaying its log from the last checkpoint each time would grow with history.
-        self._latest: dict[tuple[str, str], DeltaTable] = {}
+        # Latest snapshots, shared by every Tables object of this process and refreshed incrementally
+        # (only the commits since are read): a batch opens each table several times, and a process that
+        # runs many batches (`millpond run`, replay, the bench) would otherwise read each table's
+        # checkpoint and log again per batch.
+        self._latest = _SNAPSHOTS.setdefault((settings.s3_endpoint, settings.s3_access_key), {})
 
     def uri(self, pipeline: str, name: str) -> str:
         return self.settings.table_uri(pipeline, name)
@@ -101,7 +106,7 @@ class Tables:
     def open(self, pipeline: str, name: str, version: int | str | None = None) -> DeltaTable | None:
         """The table, or None if it was never created. ``version``: number or ISO timestamp."""
         uri = self.uri(pipeline, name)
-        cached = self._latest.get((pipeline, name)) if version is None else None
+        cached = self._latest.get(uri) if version is None else None
         try:
             if cached is not None:
                 cached.update_incremental()
@@ -114,7 +119,7 @@ class Tables:
         if isinstance(version, str):
             dt.load_as_version(version)
         if version is None:
-            self._latest[(pipeline, name)] = dt
+            self._latest[uri] = dt
         return dt
 
     def exists(self, pipeline: str, name: str) -> bool:
@@ -283,7 +288,7 @@ class Tables:
         commit: readers and time travel see the same rows). For the small bookkeeping tables a batch
         reads whole, so reading them does not grow with the number of batches."""
         # This object's snapshot, as of its own last write: no log listing just to count files.
-        dt = self._latest.get((pipeline, name)) or self.open(pipeline, name)
+        dt = self._latest.get(self.uri(pipeline, name)) or self.open(pipeline, name)
         if dt is None or len(dt.file_uris()) <= over_files:
             return False
         dt.update_incremental()
