@@ -197,12 +197,19 @@ class MemorySampler:
 class Workload:
     label: str
     spec: WorkloadSpec
-    events: pa.Table
     prefix: str
+    input_events: int
+    #: the generated events, only while a peer needs them in memory (see ``events``)
+    table: pa.Table | None = field(default=None, repr=False)
 
     @property
-    def input_events(self) -> int:
-        return self.events.num_rows
+    def events(self) -> pa.Table:
+        """The landed events as a table, for the peers that take them from memory (Structured
+        Streaming's local copy, Beam); regenerated on first use (generation is deterministic), so a
+        10M-event workload is not held through the runs that read the landing files."""
+        if self.table is None:
+            self.table = generate(self.spec)
+        return self.table
 
 
 @dataclass
@@ -239,9 +246,11 @@ class Bench:
             table = generate(spec)
             prefix = f"bench/{label}/"
             files = land(ObjectStore(self.settings), self.settings.bucket_landing, prefix, spec, table)
-            self._workloads[label] = Workload(label, spec, table, prefix)
+            self._workloads[label] = Workload(label, spec, prefix, table.num_rows)
             self.log(f"  workload {label}: {table.num_rows} events in {files} files "
                      f"({time.perf_counter() - t:.1f}s to generate and land)")
+            del table
+            _release_memory()  # the next memory window starts from this process's RSS
         return self._workloads[label]
 
     def pipeline(self, kind: str, wl: Workload, accumulation: str | None = None) -> PipelineSpec:
@@ -625,6 +634,16 @@ class Bench:
             t = time.perf_counter()
             step()
             self.log(f"[{step.__name__} {time.perf_counter() - t:.0f}s]")
+
+
+def _release_memory() -> None:
+    """Hand freed memory back to the OS (Arrow's pool; glibc's arenas, which keep what the store
+    client's upload buffers used): otherwise landing a large workload inflates the next measure."""
+    pa.default_memory_pool().release_unused()
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _size(n: int) -> str:

@@ -99,8 +99,18 @@ def _iso(us: pa.Array) -> pa.Array:
     return pc.binary_join_element_wise(pc.replace_substring(text, " ", "T", max_replacements=1), "Z", "")
 
 
+#: rows formatted per Arrow pass in ``jsonl_bytes`` (bounds its intermediate string columns)
+JSONL_SLICE = 500_000
+
+
 def jsonl_bytes(events: pa.Table) -> bytes:
     """The events as JSONL (the contract's landing format), built column-wise by Arrow."""
+    if events.num_rows > JSONL_SLICE:
+        return b"".join(_jsonl_bytes(events.slice(lo, JSONL_SLICE)) for lo in range(0, events.num_rows, JSONL_SLICE))
+    return _jsonl_bytes(events)
+
+
+def _jsonl_bytes(events: pa.Table) -> bytes:
     if not events.num_rows:
         return b""
     parts = [
