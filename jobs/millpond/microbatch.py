@@ -11,6 +11,7 @@ application transaction (pipeline, batch) so a retried batch never applies anyth
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -39,6 +40,8 @@ from .tables import Tables, Txn, sql_in, sql_ts
 from .timeutil import MIN_TS, parse_duration, to_datetime, to_us
 from .watermark import advance
 from .windows import Window
+
+logger = logging.getLogger(__name__)
 
 INPROGRESS = ".inprogress"
 #: dedup ids past the horizon are dropped every this many batches (one small delete commit)
@@ -617,7 +620,10 @@ class MicroBatch:
             name, "batches", pa.Table.from_arrays(arrays, schema=BATCHES_SCHEMA), txn=txn))
         t.lap("commit")
         for small in BOOKKEEPING_TABLES:  # after the marker: maintenance, not part of the batch's result
-            self.tables.compact(name, small, over_files=COMPACT_OVER_FILES)
+            try:
+                self.tables.compact(name, small, over_files=COMPACT_OVER_FILES)
+            except MillpondError as exc:  # the batch is committed; the next batch compacts instead
+                logger.warning("%s: compaction of %s skipped: %s", name, small, exc)
         t.lap("maintain")
         return BatchResult(self.name, batch, to_datetime(P), to_datetime(w_new), counts, t.phases)
 

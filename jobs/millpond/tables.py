@@ -288,7 +288,9 @@ class Tables:
         commit: readers and time travel see the same rows). For the small bookkeeping tables a batch
         reads whole, so reading them does not grow with the number of batches."""
         # This object's snapshot, as of its own last write: no log listing just to count files.
-        dt = self._latest.get(self.uri(pipeline, name)) or self.open(pipeline, name)
+        dt = self._latest.get(self.uri(pipeline, name))
+        if dt is None:
+            dt = self.open(pipeline, name)
         if dt is None or len(dt.file_uris()) <= over_files:
             return False
         dt.update_incremental()
