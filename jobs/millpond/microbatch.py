@@ -95,8 +95,11 @@ BATCHES_SCHEMA = pa.schema(
     ]
 )
 STATE_TABLES = ("windows", "seen_ids")
-#: read whole by every batch's plan: compacted into one file whenever they exceed COMPACT_OVER_FILES
+#: read whole by every batch's plan
 BOOKKEEPING_TABLES = ("batches", "ingest_log")
+#: read whole, or by an event-time range that spans every file: compacted into one file once they pass
+#: COMPACT_OVER_FILES, so what a batch reads does not grow with the number of batches
+COMPACTED_TABLES = (*BOOKKEEPING_TABLES, "seen_ids")
 COMPACT_OVER_FILES = 8
 OUTPUT_TABLES = ("panes", "current", "late", "quarantine", "windows", "seen_ids", "ingest_log")
 
@@ -447,7 +450,7 @@ class MicroBatch:
         self.quality = None
         self.spec = spec
         self.spark = spark
-        self.tables = Tables(settings)
+        self.tables = Tables(settings, auto_checkpoint=False)
         self.store = ObjectStore(settings)
         self.name = spec.name
 
@@ -619,13 +622,28 @@ class MicroBatch:
         self._step("batches", lambda: self.tables.append(
             name, "batches", pa.Table.from_arrays(arrays, schema=BATCHES_SCHEMA), txn=txn))
         t.lap("commit")
-        for small in BOOKKEEPING_TABLES:  # after the marker: maintenance, not part of the batch's result
-            try:
-                self.tables.compact(name, small, over_files=COMPACT_OVER_FILES)
-            except MillpondError as exc:  # the batch is committed; the next batch compacts instead
-                logger.warning("%s: compaction of %s skipped: %s", name, small, exc)
+        self._maintain(batch)
         t.lap("maintain")
         return BatchResult(self.name, batch, to_datetime(P), to_datetime(w_new), counts, t.phases)
+
+    def _maintain(self, batch: int) -> None:
+        """Table upkeep after the marker, in bounded steps so that no batch pays for every table at
+        once: at most one compaction (of the tables a batch reads whole or by range) and one checkpoint
+        (the tables take turns; with delta-rs's own every-10-commits checkpoints, every table wrote one
+        in the same batch, every 10th batch). Best-effort: the batch is committed, a failed step waits
+        for a later batch."""
+        name = self.name
+        try:
+            for i in range(len(COMPACTED_TABLES)):
+                if self.tables.compact(name, COMPACTED_TABLES[(batch + i) % len(COMPACTED_TABLES)],
+                                       over_files=COMPACT_OVER_FILES):
+                    # delta-rs 1.6 checkpoints an OPTIMIZE commit by the table's interval whatever the
+                    # commit hook says: that may be this batch's checkpoint, so the turn waits.
+                    return
+            turns = sorted(set(self.output_tables) | set(self.state_tables) | set(BOOKKEEPING_TABLES))
+            self.tables.checkpoint(name, turns[batch % len(turns)])
+        except MillpondError as exc:
+            logger.warning("%s: table maintenance skipped after batch %d: %s", name, batch, exc)
 
     # the windowing step ------------------------------------------------------------------------
     output_tables: tuple[str, ...] = OUTPUT_TABLES
@@ -637,9 +655,7 @@ class MicroBatch:
         """Windows, triggers and panes for the batch's elements (``accepted``: a table of EVENT_COLUMNS);
         commits its own outputs (a MillWheel computation replaces this step, see ``millpond.computation``).
         Returns counts for the marker."""
-        keys = sorted(pc.unique(accepted.column("key")).to_pylist())
-        state = self._state(plan["versions"].get("windows"), keys, clock)
-        del keys
+        state = self._state(plan["versions"].get("windows"), accepted, clock)
         spec_json = json.dumps(self.spec.raw, sort_keys=True, default=str)
         out = _Assembly(batch, clock, self.spec.value_type, self.spec.pane_value_type,
                         self.spec.mode.value == "discarding")
@@ -738,21 +754,44 @@ class MicroBatch:
             self.name, "seen_ids", f"event_time < {sql_ts(cutoff)}",
             txn=Txn(f"{txn.app_id}/expire", txn.version)), table="seen_ids")
 
-    def _state(self, version: int | None, keys: list[str], clock: BatchClock) -> pa.Table:
-        """Only the windows of touched keys and of windows whose timers are due."""
+    def _state(self, version: int | None, accepted: pa.Table, clock: BatchClock) -> pa.Table:
+        """The stored windows this batch can change: those whose timers are due, and those of touched
+        keys that the key's new elements can reach. Reading every window of a touched key would make
+        a batch's cost grow with the live state (all sessions still within allowed lateness)."""
         if version is None:
             return WINDOWS_SCHEMA.empty_table()
-        due = (f"event_timer <= {sql_ts(clock.watermark)} OR ptime_timer <= {sql_ts(clock.processing_time)}")
-        due_keys = self.tables.select(self.name, "windows", due, columns=["key"], version=version)
-        all_keys = sorted(set(keys) | set(due_keys.column("key").to_pylist()))
-        if not all_keys:
-            return WINDOWS_SCHEMA.empty_table()
-        if len(all_keys) <= SMALL_IN_LIST:
-            return self.tables.select(self.name, "windows", sql_in("key", all_keys), version=version)
-        # Many keys: MERGE-written files hold keys of every range, so statistics cannot prune them and the
-        # scan reads the same files either way; probing the keys in Arrow beats a long SQL IN list.
-        t = self.tables.select(self.name, "windows", version=version)
-        return t.filter(pc.is_in(t.column("key"), value_set=pa.array(all_keys, pa.string())))
+        due = f"event_timer <= {sql_ts(clock.watermark)} OR ptime_timer <= {sql_ts(clock.processing_time)}"
+        keys = pc.unique(accepted.column("key"))
+        if len(keys) <= SMALL_IN_LIST:
+            t = self.tables.select(self.name, "windows", f"({due}) OR {sql_in('key', keys.to_pylist())}",
+                                   version=version)
+        else:
+            # Many keys: MERGE-written files hold keys of every range, so statistics cannot prune them and
+            # the scan reads the same files either way; probing in Arrow beats a long SQL IN list.
+            t = self.tables.select(self.name, "windows", version=version)
+        return t.filter(self._reachable(t, accepted, clock))
+
+    def _reachable(self, t: pa.Table, accepted: pa.Table, clock: BatchClock) -> pa.Array:
+        """Which stored windows the batch must look at (row order kept): due timers, or a window that
+        an element of its key can fall into or merge with. An element at ``e`` reaches the windows
+        intersecting ``[e, e + reach]`` (``reach``: the session gap; 0 for fixed and sliding windows,
+        which an element reaches only if it lies inside them)."""
+        def ints(col: pa.ChunkedArray | pa.Array) -> pa.Array:
+            return pc.cast(col, pa.int64())
+
+        due = pc.or_(pc.fill_null(pc.less_equal(ints(t.column("event_timer")), clock.watermark), False),
+                     pc.fill_null(pc.less_equal(ints(t.column("ptime_timer")), clock.processing_time), False))
+        if not accepted.num_rows:
+            return due
+        span = self.spec.window.get("gap") if self.spec.window.get("type") == "sessions" else None
+        reach = parse_duration(span) if span is not None else 0
+        ranges = accepted.group_by("key").aggregate([("event_time", "min"), ("event_time", "max")])
+        at = pc.index_in(t.column("key"), value_set=ranges.column("key"))
+        lo = ranges.column("event_time_min").take(at)
+        hi = pc.add(ranges.column("event_time_max").take(at), reach)
+        near = pc.and_(pc.greater_equal(ints(t.column("window_end")), lo),
+                       pc.less_equal(ints(t.column("window_start")), hi))
+        return pc.or_(due, pc.fill_null(near, False))
 
     def _commit(self, batch: int, txn: Txn, clock: BatchClock, out: _Assembly, accepted: pa.Table,
                 t: _Timer) -> dict[str, int]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
+from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, QueryBuilder, Transaction, write_deltalake
 from deltalake.exceptions import TableNotFoundError
 
 from .config import Settings
@@ -90,9 +90,12 @@ _SNAPSHOTS: dict[tuple[str, str], dict[str, DeltaTable]] = {}
 class Tables:
     """Delta tables of the lake, addressed by pipeline and name."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, auto_checkpoint: bool = True) -> None:
         self.settings = settings
         self.options = storage_options(settings)
+        # False: commits never write a checkpoint themselves; the writer calls ``checkpoint`` when it
+        # chooses (the micro-batch job spreads them over batches, see ``MicroBatch._maintain``).
+        self._hooks = None if auto_checkpoint else PostCommitHookProperties(create_checkpoint=False)
         # Latest snapshots, shared by every Tables object of this process and refreshed incrementally
         # (only the commits since are read): a batch opens each table several times, and a process that
         # runs many batches (`millpond run`, replay, the bench) would otherwise read each table's
@@ -238,9 +241,10 @@ class Tables:
             if dt is None:  # the first write creates the table: its version 0 holds these rows
                 write_deltalake(uri, data, mode=mode, partition_by=list(partition_by) if partition_by else None,
                                 storage_options=self.options, commit_properties=_commit(txn),
-                                configuration=TABLE_CONFIG)
+                                configuration=TABLE_CONFIG, post_commithook_properties=self._hooks)
             else:
-                write_deltalake(dt, data, mode=mode, commit_properties=_commit(txn))
+                write_deltalake(dt, data, mode=mode, commit_properties=_commit(txn),
+                                post_commithook_properties=self._hooks)
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
         return True
@@ -272,7 +276,8 @@ class Tables:
         predicate = " AND ".join(([f"({target_filter})"] if target_filter else [])
                                  + [f"t.`{c}` = s.`{c}`" for c in on])
         try:
-            merger = dt.merge(source, predicate, source_alias="s", target_alias="t", commit_properties=_commit(txn))
+            merger = dt.merge(source, predicate, source_alias="s", target_alias="t", commit_properties=_commit(txn),
+                              post_commithook_properties=self._hooks)
             if delete_when:
                 merger = merger.when_matched_delete(predicate=delete_when)
                 keep = f"NOT ({delete_when})"
@@ -295,7 +300,21 @@ class Tables:
             return False
         dt.update_incremental()
         try:
-            dt.optimize.compact()
+            dt.optimize.compact(post_commithook_properties=self._hooks)
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
+        return True
+
+    def checkpoint(self, pipeline: str, name: str) -> bool:
+        """Write a checkpoint at this process's latest snapshot of the table (readers then replay only
+        the commits after it); False if the table does not exist."""
+        dt = self._latest.get(self.uri(pipeline, name))
+        if dt is None:
+            dt = self.open(pipeline, name)
+        if dt is None:
+            return False
+        try:
+            dt.create_checkpoint()
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
         return True
@@ -305,7 +324,7 @@ class Tables:
         if dt is None or self.already_applied(dt, txn):
             return False
         try:
-            dt.delete(predicate, commit_properties=_commit(txn))
+            dt.delete(predicate, commit_properties=_commit(txn), post_commithook_properties=self._hooks)
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
         return True

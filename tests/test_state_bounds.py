@@ -1,0 +1,76 @@
+"""A batch costs what its new data and the state it touches cost: it reads only the stored windows it
+can change, and table upkeep (compaction, checkpoints) comes in bounded steps, one table at a time."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+
+from millpond.ingest import arrival_tag
+from millpond.microbatch import COMPACT_OVER_FILES, COMPACTED_TABLES, run_batch
+from millpond.objectstore import ObjectStore
+from millpond.pipeline import pipeline_from_dict
+from millpond.timeutil import to_us
+
+T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+
+
+def minute(m: float) -> datetime:
+    return T0 + timedelta(minutes=m)
+
+
+def land(settings, pipeline: str, arrival: datetime, events: list[tuple[str, str, int, float]]) -> None:
+    """(id, key, value, event minute) rows as one landing file arriving at ``arrival``."""
+    body = "".join(json.dumps({"id": i, "key": k, "value": v, "event_time": minute(m).isoformat()}) + "\n"
+                   for i, k, v, m in events)
+    ObjectStore(settings).put_bytes(settings.bucket_landing,
+                                    f"{pipeline}/{arrival_tag(to_us(arrival))}-{events[0][0]}.jsonl", body.encode())
+
+
+def test_batch_reads_only_the_windows_it_can_reach(settings, tables, pipeline_name) -> None:
+    spec = pipeline_from_dict({"name": pipeline_name, "window": {"type": "sessions", "gap": "5m"},
+                               "accumulation": "accumulating_and_retracting", "allowed_lateness": "1h",
+                               "trigger": "AtWatermark()", "source": {"prefix": f"{pipeline_name}/"}})
+    # Three sessions of key k (and one of key j) in state, none due while the watermark stays at 12:00.
+    land(settings, pipeline_name, minute(44), [("a", "k", 1, 0), ("b", "k", 1, 20), ("c", "k", 1, 40),
+                                              ("d", "j", 1, 20)])
+    first = run_batch(settings, spec, minute(45), watermark=T0)
+    assert first.counts["state_rows_read"] == 0
+    # One element of k at 12:41: only the 12:40 session can merge with it.
+    land(settings, pipeline_name, minute(49), [("e", "k", 2, 41)])
+    second = run_batch(settings, spec, minute(50), watermark=T0)
+    assert second.counts["state_rows_read"] == 1
+    # A late element of k at 12:04 bridges nothing but reaches the 12:00 session; j's window is due at 12:25.
+    land(settings, pipeline_name, minute(54), [("f", "k", 5, 4)])
+    third = run_batch(settings, spec, minute(55), watermark=minute(26))
+    assert third.counts["state_rows_read"] == 3  # k@12:00 (reached, and due), k@12:20 and j@12:20 (due)
+    run_batch(settings, spec, minute(60), watermark=minute(200))  # everything fires and is collected
+    current = {(r["key"], r["window_start"].minute, r["window_end"].minute): r["value"]
+               for r in tables.read_arrow(pipeline_name, "current").to_pylist()}
+    assert current == {("k", 0, 9): 6, ("k", 20, 25): 1, ("k", 40, 46): 3, ("j", 20, 25): 1}
+    assert tables.read_arrow(pipeline_name, "windows").num_rows == 0
+
+
+def test_upkeep_is_spread_over_batches(settings, tables, pipeline_name) -> None:
+    spec = pipeline_from_dict({"name": pipeline_name, "window": {"type": "fixed", "size": "1m"},
+                               "source": {"prefix": f"{pipeline_name}/"},
+                               "watermark": {"policy": "processing_time", "lag": "0s"}})
+    store = ObjectStore(settings)
+    lake_prefix = tables.uri(pipeline_name, "x").split("/", 3)[3].rsplit("/", 1)[0] + "/"
+
+    def checkpoints() -> set[str]:
+        return {o.key for o in store.list(settings.bucket_lake, lake_prefix) if o.key.endswith(".checkpoint.parquet")}
+
+    seen: set[str] = set()
+    batches = 2 * COMPACT_OVER_FILES
+    for b in range(batches):
+        land(settings, pipeline_name, minute(5 * b + 1), [(f"e{b}", "k", 1, 5 * b + 1)])
+        run_batch(settings, spec, minute(5 * b + 5))
+        now = checkpoints()
+        assert len(now - seen) <= 1, f"batch {b + 1} wrote checkpoints of several tables: {sorted(now - seen)}"
+        seen = now
+    assert len({k.rsplit("/", 2)[0] for k in seen}) >= 6  # the tables took turns
+    for name in COMPACTED_TABLES:
+        files = tables.open(pipeline_name, name).file_uris()
+        assert len(files) <= COMPACT_OVER_FILES + 1, f"{name}: {len(files)} files after {batches} batches"
+    assert tables.read_arrow(pipeline_name, "batches").num_rows == batches
