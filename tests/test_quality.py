@@ -96,6 +96,12 @@ def test_good_batch_passes(settings: Settings, pipeline_name: str) -> None:
     assert 0 < report.seconds < 30
 
 
+def test_pipeline_name_that_reads_like_a_date(settings: Settings) -> None:
+    """GX dates a run by parsing its name when no run time is given; digits in a name must not break it."""
+    report = run(settings, "t7203516975", raw=good_raw())
+    assert report.ok and report.suites == {qs.RAW: True}
+
+
 # -- raw input ---------------------------------------------------------------------------------
 def test_raw_critical_violations(settings: Settings, pipeline_name: str) -> None:
     raw = good_raw()

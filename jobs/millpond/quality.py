@@ -273,8 +273,10 @@ def validate_batch(
             if df is None:
                 continue
             checkpoint = context.checkpoints.get(f"{suite}_checkpoint")
+            # run_time given: without it GX parses the run name as a date, and a pipeline named like
+            # "t7203516975" overflows dateutil (or, worse, dates the run in year 7203516975).
             result = checkpoint.run(batch_parameters={"dataframe": df}, expectation_parameters=params,
-                                    run_id=RunIdentifier(run_name=f"{pipeline}-{batch}"))
+                                    run_id=RunIdentifier(run_name=f"{pipeline}-{batch}", run_time=datetime.now(UTC)))
             for vrid, vr in result.run_results.items():
                 identifiers.append(vrid)
                 report.suites[suite] = bool(vr.success)
