@@ -259,7 +259,7 @@ def _key_chunks(events: pa.Table, state: pa.Table) -> Iterator[tuple[list[str], 
     st_order, st_off = layout(state)
     for lo, hi in _chunks(ev_off + st_off, CHUNK_ELEMENTS):
         ev = events.take(ev_order[ev_off[lo]:ev_off[hi]])
-        elements = [Element(*r) for r in zip(*(ev.column(c).to_pylist() for c in EVENT_COLUMNS), strict=True)]
+        elements = list(map(Element._make, zip(*(ev.column(c).to_pylist() for c in EVENT_COLUMNS), strict=True)))
         st = state.take(st_order[st_off[lo]:st_off[hi]])
         st_rows = list(zip(_us_column(st, "window_start"), _us_column(st, "window_end"),
                            st.column("state").to_pylist(), strict=True))
