@@ -13,7 +13,8 @@ emit panes in the accumulation mode, and garbage-collect windows past end + allo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from operator import attrgetter
+from typing import Any, NamedTuple
 
 from .accumulation import Accumulation, emit
 from .aggregations import Combiner
@@ -24,8 +25,9 @@ from .triggers import Trigger, TriggerContext, merge_states
 from .windows import Window, WindowFn
 
 
-@dataclass(frozen=True)
-class Element:
+class Element(NamedTuple):
+    """One input element (a tuple: a batch builds one per event, which a frozen dataclass makes slow)."""
+
     id: str
     key: str
     value: Any
@@ -81,6 +83,18 @@ def timers(ws: WindowState, strategy: Strategy, clock: BatchClock) -> tuple[int,
     return (min(gc, armed) if armed is not None else gc), strategy.trigger.ptime_timer(ctx, "0")
 
 
+def timer_due(ws: WindowState, strategy: Strategy, clock: BatchClock) -> bool:
+    """Whether one of a stored window's timers is due in this batch (asked only of untouched windows)."""
+    event_t, ptime_t = timers(ws, strategy, clock)
+    return (event_t is not None and event_t <= clock.watermark) or (
+        ptime_t is not None and ptime_t <= clock.processing_time
+    )
+
+
+#: the order a batch's elements are applied in (arrival, then event time, then id)
+_ARRIVAL_ORDER = attrgetter("arrival_time", "event_time", "id")
+
+
 def process_key(
     key: str,
     stored: list[WindowState],
@@ -103,9 +117,10 @@ def process_key(
     # 1. Assign windows; drop what is too late or belongs to a closed window.
     assigned: list[tuple[Element, Window]] = []
     closed_windows = [w for w, ws in live.items() if ws.closed]
-    for el in sorted(elements, key=lambda e: (e.arrival_time, e.event_time, e.id)):
-        for w in wfn.assign(el.event_time):
-            if gc_time(w, strategy.allowed_lateness) <= clock.input_watermark:
+    assign, lateness, input_watermark = wfn.assign, strategy.allowed_lateness, clock.input_watermark
+    for el in sorted(elements, key=_ARRIVAL_ORDER):
+        for w in assign(el.event_time):
+            if gc_time(w, lateness) <= input_watermark:
                 result.late.append((el, "beyond allowed lateness"))
                 continue
             if not closed_windows:
@@ -127,7 +142,7 @@ def process_key(
         for merged, members in groups:
             for m in members:
                 target[m] = merged
-            stored_members = sorted({m for m in members if m in live})
+            stored_members = sorted({m for m in members if m in live}) if live else []
             if merged in live and stored_members == [merged]:
                 continue  # unchanged window
             states = [live[m] for m in stored_members]
@@ -159,33 +174,33 @@ def process_key(
     # 3. Add elements to accumulators, then to triggers once per window (first element's processing time).
     first_ptime: dict[Window, int] = {}
     counts: dict[Window, int] = {}
+    add, ptime, watermark = comb.add, clock.processing_time, clock.watermark
     for el, w in assigned:
         ws = live.get(w)
         if ws is None:
             ws = live[w] = WindowState(window=w, acc=comb.create())
-        ws.acc = comb.add(ws.acc, el.value)
+        ws.acc = add(ws.acc, el.value)
         ws.unfired += 1
-        if w not in counts:
-            first_ptime[w] = min(el.arrival_time, clock.processing_time)
-            counts[w] = 0
-        counts[w] += 1
+        if w in counts:
+            counts[w] += 1
+        else:
+            first_ptime[w] = min(el.arrival_time, ptime)
+            counts[w] = 1
     for w, n in counts.items():
-        ctx = TriggerContext(w, clock.watermark, clock.processing_time, live[w].trigger)
+        ctx = TriggerContext(w, watermark, ptime, live[w].trigger)
         trig.on_element(ctx, "0", first_ptime[w], n)
         touched.add(w)
 
     # 4. Fire what is due, once per window; garbage-collect what can no longer fire.
-    mode, lateness = strategy.mode, strategy.allowed_lateness
+    mode = strategy.mode
     for w in sorted(live):
         ws = live[w]
-        gc_due = gc_time(w, lateness) <= clock.watermark
-        event_t, ptime_t = timers(ws, strategy, clock)
-        due = w in touched or (event_t is not None and event_t <= clock.watermark) or (
-            ptime_t is not None and ptime_t <= clock.processing_time
-        )
+        gc_due = gc_time(w, lateness) <= watermark
+        # A window due for garbage collection has its event timer (never later than that) due too.
+        due = w in touched or gc_due or timer_due(ws, strategy, clock)
         fired = False
         if not ws.closed and due:
-            ctx = TriggerContext(w, clock.watermark, clock.processing_time, ws.trigger)
+            ctx = TriggerContext(w, watermark, ptime, ws.trigger)
             if trig.should_fire(ctx, "0"):
                 fired = True
                 finished = trig.on_fire(ctx, "0")

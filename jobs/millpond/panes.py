@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 
@@ -22,8 +21,9 @@ class Kind(StrEnum):
     RETRACTION = "retraction"
 
 
-@dataclass(frozen=True)
-class Pane:
+class Pane(NamedTuple):
+    """One pane (a tuple: a batch builds one per firing and retraction, which a frozen dataclass makes slow)."""
+
     key: str
     window_start: int
     window_end: int
@@ -38,7 +38,7 @@ class Pane:
     seq: int = 0
 
     def as_json(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = self._asdict()
         for f in ("window_start", "window_end", "processing_time", "watermark"):
             out[f] = iso(out[f])
         return out

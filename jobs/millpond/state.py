@@ -16,6 +16,9 @@ import pyarrow as pa
 from .panes import TS
 from .windows import Window
 
+#: ``json.dumps(..., sort_keys=True, separators=(",", ":"))`` without building an encoder per call
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+
 
 @dataclass
 class WindowState:
@@ -33,7 +36,7 @@ class WindowState:
     closed: bool = False
 
     def to_json(self) -> str:
-        return json.dumps(
+        return _ENCODER.encode(
             {
                 "acc": self.acc,
                 "trig": self.trigger,
@@ -43,9 +46,7 @@ class WindowState:
                 "ontime": self.on_time_emitted,
                 "unfired": self.unfired,
                 "closed": self.closed,
-            },
-            sort_keys=True,
-            separators=(",", ":"),
+            }
         )
 
     @classmethod

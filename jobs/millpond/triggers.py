@@ -43,13 +43,26 @@ class Trigger:
 
     children: tuple[Trigger, ...] = ()
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Trigger:
+        self = super().__new__(cls)
+        self._kids: dict[str, tuple[tuple[str, Trigger], ...]] = {}
+        return self
+
+    def kids(self, path: str) -> tuple[tuple[str, Trigger], ...]:
+        """(path, trigger) of each child under ``path``: formatted once, as every window of every key
+        walks the same few paths."""
+        out = self._kids.get(path)
+        if out is None:
+            out = self._kids[path] = tuple((f"{path}.{i}", c) for i, c in enumerate(self.children))
+        return out
+
     # -- lifecycle -----------------------------------------------------------------------------
     def on_element(self, ctx: TriggerContext, path: str, element_ptime: int, count: int = 1) -> None:
         """``count`` elements arrived, the first at ``element_ptime``. A batch decides once per window,
         so its elements can be handed over together: the same state as one call per element."""
-        for i, child in enumerate(self.children):
-            if not child.finished(ctx, f"{path}.{i}"):
-                child.on_element(ctx, f"{path}.{i}", element_ptime, count)
+        for p, child in self.kids(path):
+            if not child.finished(ctx, p):
+                child.on_element(ctx, p, element_ptime, count)
 
     def should_fire(self, ctx: TriggerContext, path: str) -> bool:
         raise NotImplementedError
@@ -64,7 +77,8 @@ class Trigger:
 
     # -- state helpers --------------------------------------------------------------------------
     def finished(self, ctx: TriggerContext, path: str) -> bool:
-        return bool(ctx.state.get(path, {}).get("done"))
+        node = ctx.state.get(path)
+        return node is not None and bool(node.get("done"))
 
     def set_finished(self, ctx: TriggerContext, path: str) -> None:
         ctx.node(path)["done"] = True
@@ -78,26 +92,25 @@ class Trigger:
 
     def ptime_timer(self, ctx: TriggerContext, path: str) -> int | None:
         """Earliest processing time at which this trigger could fire on its own."""
-        times = [
-            t
-            for i, c in enumerate(self.children)
-            if not c.finished(ctx, f"{path}.{i}") and (t := c.ptime_timer(ctx, f"{path}.{i}")) is not None
-        ]
+        times = [t for p, c in self.kids(path) if not c.finished(ctx, p) and (t := c.ptime_timer(ctx, p)) is not None]
         return min(times) if times else None
 
     def event_timer(self, ctx: TriggerContext, path: str) -> int | None:
         """Earliest watermark at which this trigger could fire on its own (an armed watermark timer)."""
-        times = [
-            t
-            for i, c in enumerate(self.children)
-            if not c.finished(ctx, f"{path}.{i}") and (t := c.event_timer(ctx, f"{path}.{i}")) is not None
-        ]
+        times = [t for p, c in self.kids(path) if not c.finished(ctx, p) and (t := c.event_timer(ctx, p)) is not None]
         return min(times) if times else None
 
     def walk(self, path: str = "0"):
         yield path, self
-        for i, child in enumerate(self.children):
-            yield from child.walk(f"{path}.{i}")
+        for p, child in self.kids(path):
+            yield from child.walk(p)
+
+    def nodes(self) -> tuple[tuple[str, Trigger], ...]:
+        """``walk()`` from the root, computed once (a trigger is an immutable description)."""
+        out = self.__dict__.get("_nodes")
+        if out is None:
+            out = self.__dict__["_nodes"] = tuple(self.walk())
+        return out
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(map(repr, self.children))})"
@@ -228,12 +241,13 @@ class Repeat(Trigger):
         self.children = (trigger,)
 
     def should_fire(self, ctx: TriggerContext, path: str) -> bool:
-        return self.children[0].should_fire(ctx, f"{path}.0")
+        p, child = self.kids(path)[0]
+        return child.should_fire(ctx, p)
 
     def on_fire(self, ctx: TriggerContext, path: str) -> bool:
-        child = f"{path}.0"
-        if self.children[0].on_fire(ctx, child):
-            self.children[0].reset(ctx, child)
+        p, child = self.kids(path)[0]
+        if child.on_fire(ctx, p):
+            child.reset(ctx, p)
         return False
 
 
@@ -251,16 +265,21 @@ class SequenceOf(Trigger):
     def on_element(self, ctx: TriggerContext, path: str, element_ptime: int, count: int = 1) -> None:
         i = self._current(ctx, path)
         if i < len(self.children):
-            self.children[i].on_element(ctx, f"{path}.{i}", element_ptime, count)
+            p, child = self.kids(path)[i]
+            child.on_element(ctx, p, element_ptime, count)
 
     def should_fire(self, ctx: TriggerContext, path: str) -> bool:
         i = self._current(ctx, path)
-        return i < len(self.children) and self.children[i].should_fire(ctx, f"{path}.{i}")
+        if i >= len(self.children):
+            return False
+        p, child = self.kids(path)[i]
+        return child.should_fire(ctx, p)
 
     def on_fire(self, ctx: TriggerContext, path: str) -> bool:
         i = self._current(ctx, path)
-        if self.children[i].on_fire(ctx, f"{path}.{i}"):
-            self.children[i].set_finished(ctx, f"{path}.{i}")
+        p, child = self.kids(path)[i]
+        if child.on_fire(ctx, p):
+            child.set_finished(ctx, p)
             i += 1
             ctx.node(path)["i"] = i
         return i >= len(self.children)
@@ -273,11 +292,17 @@ class SequenceOf(Trigger):
 
     def ptime_timer(self, ctx: TriggerContext, path: str) -> int | None:
         i = self._current(ctx, path)
-        return self.children[i].ptime_timer(ctx, f"{path}.{i}") if i < len(self.children) else None
+        if i >= len(self.children):
+            return None
+        p, child = self.kids(path)[i]
+        return child.ptime_timer(ctx, p)
 
     def event_timer(self, ctx: TriggerContext, path: str) -> int | None:
         i = self._current(ctx, path)
-        return self.children[i].event_timer(ctx, f"{path}.{i}") if i < len(self.children) else None
+        if i >= len(self.children):
+            return None
+        p, child = self.kids(path)[i]
+        return child.event_timer(ctx, p)
 
 
 class FirstOf(Trigger):
@@ -291,7 +316,7 @@ class FirstOf(Trigger):
         self.children = tuple(triggers)
 
     def _open(self, ctx: TriggerContext, path: str) -> list[tuple[str, Trigger]]:
-        return [(f"{path}.{i}", c) for i, c in enumerate(self.children) if not c.finished(ctx, f"{path}.{i}")]
+        return [(p, c) for p, c in self.kids(path) if not c.finished(ctx, p)]
 
     def should_fire(self, ctx: TriggerContext, path: str) -> bool:
         return any(c.should_fire(ctx, p) for p, c in self._open(ctx, path))
@@ -378,9 +403,32 @@ def parse_trigger(text: str | None) -> Trigger:
 
 def merge_states(trigger: Trigger, states: list[State]) -> State:
     """Trigger state of a merged window from the states of the windows it absorbed."""
+    if not any(states) and (fresh := _fresh_state(trigger)) is not None:
+        return {path: dict(node) for path, node in fresh.items()}
     merged: State = {}
-    for path, node in trigger.walk():
+    for path, node in trigger.nodes():
         out = node.merge_node([s.get(path, {}) for s in states])
         if out:
             merged[path] = out
     return merged
+
+
+#: trigger classes whose ``merge_node`` is a pure function of the nodes' contents (this module's own)
+_PURE_MERGE = (AtWatermark, AtCount, AtPeriod, AfterDelay, Repeat, SequenceOf, FirstOf, AllOf)
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _fresh_state(trigger: Trigger) -> State | None:
+    """The state merged from windows without state (a new window's): the same for every window of a
+    pipeline, so computed once, to be copied node by node; None unless every node is a builtin trigger
+    and the state holds only scalars (then ``merge_states`` does the general merge)."""
+    if "_fresh" not in trigger.__dict__:
+        fresh: State = {}
+        for path, node in trigger.nodes():
+            out = node.merge_node([{}])
+            if out:
+                fresh[path] = out
+        pure = all(type(n) in _PURE_MERGE for _, n in trigger.nodes())
+        scalars = all(type(v) in _SCALARS for node in fresh.values() for v in node.values())
+        trigger.__dict__["_fresh"] = fresh if pure and scalars else None
+    return trigger.__dict__["_fresh"]

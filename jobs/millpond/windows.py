@@ -91,16 +91,24 @@ class Sessions(WindowFn):
         return [Window(ts, ts + self.gap)]
 
     def merge(self, windows: list[Window]) -> list[tuple[Window, list[Window]]]:
-        spans: list[Window] = []
-        members: list[list[Window]] = []
-        for w in sorted(set(windows)):
-            if spans and spans[-1].intersects(w):
-                spans[-1] = spans[-1].span(w)
-                members[-1].append(w)  # in place: a hot key's merge stays linear
+        out: list[tuple[Window, list[Window]]] = []
+        ordered = sorted(set(windows))
+        if not ordered:
+            return out
+        # The current span as plain ints: sorted by start, a window joins it iff it starts before its end.
+        start, end = ordered[0]
+        group = [ordered[0]]
+        for w in ordered[1:]:
+            if w[0] < end and start < w[1]:
+                group.append(w)  # in place: a hot key's merge stays linear
+                if w[1] > end:
+                    end = w[1]
             else:
-                spans.append(w)
-                members.append([w])
-        return list(zip(spans, members, strict=True))
+                out.append((Window(start, end), group))
+                start, end = w
+                group = [w]
+        out.append((Window(start, end), group))
+        return out
 
 
 def window_fn(config: dict[str, Any]) -> WindowFn:

@@ -1,0 +1,179 @@
+"""The per-key step's shortcuts against the general code they stand in for, on random inputs.
+
+Each shortcut (the copied trigger state of a new window, the sessions merge over plain ints, the
+garbage-collection firing that skips the timer walk) must give exactly the rows the general code
+gives: same panes, same state JSON, same deletes and late rows, batch after batch."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+from millpond import engine, triggers
+from millpond.engine import BatchClock, Element, gc_time, timers
+from millpond.microbatch import _strategy, key_rows
+from millpond.state import WindowState
+from millpond.timeutil import MAX_TS
+from millpond.triggers import merge_states, parse_trigger
+from millpond.windows import Sessions, Window
+
+MIN = 60_000_000
+
+TRIGGERS = [
+    "AtWatermark(early=AfterDelay('1m'), late=AtCount(1))",
+    "AtWatermark(early=AtPeriod('1m'), late=AtCount(1))",
+    "AtWatermark(early=AtCount(2))",
+    "AtWatermark(late=AtPeriod('2m'))",
+    "AtWatermark()",
+    "Repeat(AtWatermark())",
+    "Repeat(AtCount(3))",
+    "AtCount(2)",
+    "Repeat(AllOf(AtCount(2), AfterDelay('1m')))",
+    "FirstOf(AtCount(4), AtWatermark())",
+    "SequenceOf(AtCount(1), AtCount(2), Repeat(AtPeriod('1m')))",
+    "RepeatUntil(AtCount(2), AtWatermark())",
+]
+WINDOWS: list[dict[str, Any]] = [
+    {"type": "sessions", "gap": "5m"},
+    {"type": "sessions", "gap": "1m"},
+    {"type": "fixed", "size": "2m"},
+    {"type": "sliding", "size": "3m", "period": "1m"},
+    {"type": "global"},
+]
+MODES = ["discarding", "accumulating", "accumulating_and_retracting"]
+AGGREGATIONS = ["sum", "count", "min", "max", "mean"]
+
+
+def _reference_sessions_merge(self: Sessions, windows: list[Window]) -> list[tuple[Window, list[Window]]]:
+    """Sessions.merge as first written: spans grown with ``Window.span``."""
+    spans: list[Window] = []
+    members: list[list[Window]] = []
+    for w in sorted(set(windows)):
+        if spans and spans[-1].intersects(w):
+            spans[-1] = spans[-1].span(w)
+            members[-1].append(w)
+        else:
+            spans.append(w)
+            members.append([w])
+    return list(zip(spans, members, strict=True))
+
+
+def _general(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Switch the shortcuts off: every merged trigger state is merged node by node, sessions merge
+    through ``Window.span``, and every stored window's timers are walked."""
+    monkeypatch.setattr(triggers, "_fresh_state", lambda trigger: None)
+    monkeypatch.setattr(Sessions, "merge", _reference_sessions_merge)
+    monkeypatch.setattr(engine, "timer_due", _timer_due_walked)
+
+
+def _timer_due_walked(ws: WindowState, strategy: engine.Strategy, clock: BatchClock) -> bool:
+    event_t, ptime_t = timers(ws, strategy, clock)
+    return event_t <= clock.watermark or (ptime_t is not None and ptime_t <= clock.processing_time)
+
+
+def _spec(rng: random.Random) -> str:
+    doc = {
+        "name": "fast_paths", "source": {"prefix": "fast_paths/"}, "value_type": "int",
+        "window": rng.choice(WINDOWS), "trigger": rng.choice(TRIGGERS), "accumulation": rng.choice(MODES),
+        "aggregation": rng.choice(AGGREGATIONS), "allowed_lateness": rng.choice(["0s", "3m", "1h"]),
+        "batch_interval": "1m", "watermark": {"policy": "processing_time", "lag": "2m"},
+    }
+    return json.dumps(doc, sort_keys=True)
+
+
+def _scenario(seed: int) -> tuple[str, list[tuple[BatchClock, dict[str, list[Element]]]]]:
+    """A pipeline and its batches: a few keys, elements on time, early and late, then a flush."""
+    rng = random.Random(seed)
+    spec = _spec(rng)
+    t0 = 1_780_000_000_000_000
+    batches = []
+    watermark = t0 - 10 * MIN
+    n = 0
+    for b in range(1, rng.randint(3, 8)):
+        ptime = t0 + b * MIN
+        input_watermark = watermark
+        watermark = max(watermark, ptime - rng.choice([0, 1, 2, 4]) * MIN)
+        by_key: dict[str, list[Element]] = {}
+        for _ in range(rng.randint(0, 25)):
+            key = rng.choice("abcd")
+            event = ptime - rng.randint(-2, 24) * MIN // 2  # on a grid: sessions that touch, equal times
+            arrival = ptime - rng.randint(0, 3) * MIN // 4
+            by_key.setdefault(key, []).append(Element(f"e{n}", key, rng.randint(-5, 50), event, arrival))
+            n += 1
+        batches.append((BatchClock(b, ptime, input_watermark, watermark), by_key))
+    last = batches[-1][0]
+    batches.append((BatchClock(last.batch + 1, last.processing_time + MIN, last.watermark, MAX_TS), {}))
+    return spec, batches
+
+
+def _run(spec: str, batches: list[tuple[BatchClock, dict[str, list[Element]]]]) -> list[list[tuple]]:
+    """Every batch's rows, the stored state carried over as the ``windows`` table would carry it."""
+    stored: dict[str, dict[tuple[int, int], str]] = {}
+    out = []
+    for clock, by_key in batches:
+        rows: list[tuple] = []
+        for key in sorted(set(by_key) | set(stored)):
+            state_rows = [(s, e, st) for (s, e), st in sorted(stored.get(key, {}).items())]
+            rows += key_rows(spec, clock, key, by_key.get(key, []), state_rows)
+        for rtype, key, p in rows:
+            if rtype == "delete":
+                stored.get(key, {}).pop((p[0], p[1]), None)
+        for rtype, key, p in rows:
+            if rtype == "state":
+                stored.setdefault(key, {})[(p[0], p[1])] = p[2]
+        out.append(rows)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_shortcuts_match_the_general_path(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec, batches = _scenario(seed)
+    fast = _run(spec, batches)
+    _strategy.cache_clear()
+    with monkeypatch.context() as m:
+        _general(m)
+        general = _run(spec, batches)
+    _strategy.cache_clear()
+    assert fast == general
+    assert any(rows for rows in fast)
+
+
+@pytest.mark.parametrize("text", TRIGGERS)
+def test_fresh_trigger_state_is_the_merge_of_empty_states(text: str) -> None:
+    trigger = parse_trigger(text)
+    for states in ([], [{}], [{}, {}]):
+        general = {p: out for p, node in trigger.walk() if (out := node.merge_node([s.get(p, {}) for s in states]))}
+        first = merge_states(trigger, states)
+        assert first == general
+        for node in first.values():  # a copy: one window's trigger state never leaks into the next
+            node["x"] = 1
+        assert merge_states(trigger, states) == general
+
+
+def test_sessions_merge_matches_spans(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(3)
+    fn = Sessions("5m")
+    for _ in range(500):
+        windows = []
+        for _ in range(rng.randint(0, 30)):
+            start = rng.randint(0, 40) * MIN // 2
+            windows.append(Window(start, start + rng.choice([1, 5, 10]) * MIN))
+        assert fn.merge(windows) == _reference_sessions_merge(fn, windows)
+
+
+def test_event_timer_never_after_garbage_collection() -> None:
+    """Why a window due for garbage collection needs no timer walk: its event timer is due too."""
+    rng = random.Random(5)
+    for text in TRIGGERS:
+        trigger = parse_trigger(text)
+        strategy = engine.Strategy(Sessions("5m"), trigger, None, None, rng.choice([0, 3 * MIN]))  # type: ignore[arg-type]
+        for _ in range(50):
+            start = rng.randint(0, 100) * MIN
+            ws = WindowState(Window(start, start + 5 * MIN), 0, merge_states(trigger, [{}]))
+            clock = BatchClock(1, start + rng.randint(0, 20) * MIN, start, start + rng.randint(0, 20) * MIN)
+            ctx = triggers.TriggerContext(ws.window, clock.watermark, clock.processing_time, ws.trigger)
+            trigger.on_element(ctx, "0", clock.processing_time, rng.randint(1, 3))
+            ws.closed = rng.random() < 0.2
+            assert timers(ws, strategy, clock)[0] <= gc_time(ws.window, strategy.allowed_lateness)
