@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 
 SMOKE = Plan("smoke", session_sizes=(2_000,), fixed_sizes=(), spark_path_events=0, stream_events=0, beam=False,
              structured_streaming=False, over_time_batches=5, over_time_events=200, over_time_keys=50,
-             tiny_events=200, tiny_runs=2, validation_events=0)
+             over_time_repeats=2, tiny_events=200, tiny_runs=2, validation_events=0)
 
 
 def test_workload_lands_as_valid_jsonl() -> None:
@@ -44,4 +44,6 @@ def test_bench_smoke(settings, spark, tmp_path) -> None:
         assert isinstance(rec["peer"], float | int) and rec["peer"] > 0, rec
     assert records["sessions_1m_vs_spark"]["notes"]  # says the largest size actually run
     assert "driver" in records["tiny_batch_s"]["path"]
+    over_time = records["batch5_vs_batch5"]
+    assert over_time["runs"] == 2 and len(over_time["per_run_ratio"]) == 2  # the median of two fresh sequences
     assert "tiny_batch_s" in ratio_table(doc["records"])
