@@ -6,6 +6,9 @@ A backfill of three intervals must leave the same tables as three live runs of t
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -106,3 +109,20 @@ def test_backfill_equals_live_runs(settings: Settings, conf_dir: Path, airflow_s
     b = sorted_rows(backfilled.read_arrow(p, "batches"), drop=timing_free)
     assert [r["processing_time"] for r in a] == [T0 + (i + 1) * STEP for i in range(3)]
     assert a == b, (a, b)
+
+
+def test_a_dead_scheduler_is_restarted(airflow_stack) -> None:
+    """Airflow's scheduler exits on some database races and expects a supervisor: the embedded stack is
+    its own (backfills and the UI test revive dead components while they wait)."""
+    stack, _ = airflow_stack
+    pid = stack.pids()["scheduler"]
+    assert pid is not None
+    os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while stack.pids()["scheduler"] is not None and time.monotonic() < deadline:  # a zombie counts as dead
+        time.sleep(0.2)
+    assert stack.pids()["scheduler"] is None and not stack.running()
+    assert stack.revive() == ["scheduler"]
+    assert stack.running() and stack.pids()["scheduler"] != pid
+    assert stack.revive() == []  # nothing more to do
+

@@ -43,6 +43,7 @@ def wait_for_run(stack, dag_id: str, run_id: str, timeout: float = 240.0) -> dic
     deadline = time.monotonic() + timeout
     token = stack.token()
     while True:
+        stack.revive()  # as `Backfill.wait` does: a scheduler that died is restarted
         run = stack.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}", token=token)
         if run["state"] in ("success", "failed") or time.monotonic() > deadline:
             return run

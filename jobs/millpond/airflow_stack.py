@@ -270,6 +270,18 @@ class AirflowStack:
             raise
         return True
 
+    def revive(self) -> list[str]:
+        """Restart the components that died while the others still run; the restarted ones (none when
+        the whole stack is down: that is `make up`'s job). Airflow expects a supervisor to do this: its
+        scheduler exits on some database races (e.g. a run deleted under it by `dag.test` on the same
+        database) and adopts the orphaned tasks when it comes back."""
+        pids = self.pids()
+        dead = [c for c, pid in pids.items() if pid is None]
+        if not dead or len(dead) == len(pids):
+            return []
+        self.start()
+        return dead
+
     def wait_healthy(self, timeout: float, procs: dict[str, subprocess.Popen] | None = None) -> dict[str, Any]:
         """Block until the api-server answers and every component reports a heartbeat."""
         deadline = time.monotonic() + timeout

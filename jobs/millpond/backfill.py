@@ -156,6 +156,7 @@ class Backfill:
         reported: set[str] = set()
         last_line = ""
         while True:
+            self._revive(echo)
             runs = self.runs()
             states = {r["dag_run_id"]: r["state"] for r in runs}
             for r in runs:
@@ -180,6 +181,10 @@ class Backfill:
                                     f"({done}/{self.total} done): it keeps running in Airflow")
             time.sleep(2.0)
 
+    def _revive(self, echo) -> None:
+        for component in self.stack.revive():
+            echo(f"Airflow {component} had stopped: restarted it (its log: {self.stack.logfile(component)})")
+
     def check_order(self) -> None:
         """Batches commit in processing-time order: refuse up front what the engine would refuse per run."""
         from .tables import Tables
@@ -202,8 +207,9 @@ class Backfill:
                 )
 
     def run(self, wait: bool = True, timeout: float = 3600.0, echo=print) -> dict[str, str]:
-        if not self.stack.running():
+        if not any(self.stack.pids().values()):
             raise MillpondError("Airflow is not running: start it with `make up`")
+        self._revive(echo)
         self.check_order()
         self.wait_for_dag()
         created = self.create()

@@ -6,6 +6,7 @@ a group whose PID file this module wrote, so a user's own processes are never to
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -91,13 +92,23 @@ def require_java(min_major: int = 17) -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Running, not a zombie: a service this process started and that exited stays in the process
+    table until reaped, and would otherwise look alive (a dead scheduler would never be restarted)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no procfs: trust the signal probe
+    if state != "Z":
+        return True
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is ours
+    return False
 
 
 def read_pid(pidfile: Path) -> int | None:
