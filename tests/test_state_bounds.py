@@ -74,3 +74,21 @@ def test_upkeep_is_spread_over_batches(settings, tables, pipeline_name) -> None:
         files = tables.open(pipeline_name, name).file_uris()
         assert len(files) <= COMPACT_OVER_FILES + 1, f"{name}: {len(files)} files after {batches} batches"
     assert tables.read_arrow(pipeline_name, "batches").num_rows == batches
+
+
+def test_custom_merging_window_reads_every_window_of_a_touched_key(settings, tables, pipeline_name) -> None:
+    """A custom WindowFn's reach is unknown: an element may merge with a stored window that starts after it."""
+    spec = pipeline_from_dict({"name": pipeline_name, "source": {"prefix": f"{pipeline_name}/"},
+                               "window": {"type": "custom", "class": "test_custom_strategies:Bursts", "gap": "1m",
+                                          "night_gap": "10m"},
+                               "accumulation": "accumulating_and_retracting", "allowed_lateness": "1h",
+                               "trigger": "AtWatermark()"})
+    land(settings, pipeline_name, minute(4), [("a", "k", 1, 0.5)])  # [12:00:30, 12:01:30)
+    run_batch(settings, spec, minute(5), watermark=T0)
+    land(settings, pipeline_name, minute(9), [("b", "k", 1, 0)])  # [12:00, 12:01) merges with it
+    second = run_batch(settings, spec, minute(10), watermark=T0)
+    assert second.counts["state_rows_read"] == 1
+    run_batch(settings, spec, minute(15), watermark=minute(200))
+    current = [(r["key"], r["window_start"], r["window_end"], r["value"])
+               for r in tables.read_arrow(pipeline_name, "current").to_pylist()]
+    assert current == [("k", minute(0), minute(1.5), 2)]

@@ -792,7 +792,8 @@ class MicroBatch:
         """Which stored windows the batch must look at (row order kept): due timers, or a window that
         an element of its key can fall into or merge with. An element at ``e`` reaches the windows
         intersecting ``[e, e + reach]`` (``reach``: the session gap; 0 for fixed and sliding windows,
-        which an element reaches only if it lies inside them)."""
+        which an element reaches only if it lies inside them). A custom window function may merge in ways
+        this cannot bound: every window of its touched keys is read."""
         def ints(col: pa.ChunkedArray | pa.Array) -> pa.Array:
             return pc.cast(col, pa.int64())
 
@@ -800,10 +801,12 @@ class MicroBatch:
                      pc.fill_null(pc.less_equal(ints(t.column("ptime_timer")), clock.processing_time), False))
         if not accepted.num_rows:
             return due
-        span = self.spec.window.get("gap") if self.spec.window.get("type") == "sessions" else None
-        reach = parse_duration(span) if span is not None else 0
         ranges = accepted.group_by("key").aggregate([("event_time", "min"), ("event_time", "max")])
         at = pc.index_in(t.column("key"), value_set=ranges.column("key"))
+        kind = self.spec.window.get("type", "global")
+        if kind not in ("global", "fixed", "sliding", "sessions"):  # a custom WindowFn: its reach is unknown
+            return pc.or_(due, pc.is_valid(at))
+        reach = parse_duration(self.spec.window["gap"]) if kind == "sessions" else 0
         lo = ranges.column("event_time_min").take(at)
         hi = pc.add(ranges.column("event_time_max").take(at), reach)
         near = pc.and_(pc.greater_equal(ints(t.column("window_end")), lo),
