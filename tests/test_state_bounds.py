@@ -92,3 +92,29 @@ def test_custom_merging_window_reads_every_window_of_a_touched_key(settings, tab
     current = [(r["key"], r["window_start"], r["window_end"], r["value"])
                for r in tables.read_arrow(pipeline_name, "current").to_pylist()]
     assert current == [("k", minute(0), minute(1.5), 2)]
+
+
+def test_current_view_rewrites_only_the_hours_of_live_windows(settings, tables, pipeline_name) -> None:
+    """The view is partitioned by the UTC day and hour of window_end: a batch rewrites the hours holding
+    windows it can still change, even while a hot key's session has stayed open since the first batch."""
+    spec = pipeline_from_dict({"name": pipeline_name, "window": {"type": "sessions", "gap": "5m"},
+                               "accumulation": "accumulating_and_retracting", "allowed_lateness": "10m",
+                               "trigger": "AtWatermark(early=AtPeriod('5m'))", "source": {"prefix": f"{pipeline_name}/"},
+                               "watermark": {"policy": "processing_time", "lag": "0s"}})
+    batches = 18  # 12:00 to 15:00: the hot key's session spans it all, cold keys close hour by hour
+    for b in range(batches):
+        m = 10 * b
+        land(settings, pipeline_name, minute(m + 9),
+             [(f"h{b}-{i}", "hot", 1, m + 2 * i + 0.5) for i in range(5)] + [(f"c{b}", f"cold{b}", 1, m + 1)])
+        run_batch(settings, spec, minute(m + 10))
+    last = tables.history(pipeline_name, "current", limit=1)[0]["operationMetrics"]
+    view = tables.read_arrow(pipeline_name, "current")
+    assert last["num_target_files_skipped_during_scan"] >= 2  # hours 12 and 13 hold only closed windows
+    assert last["num_target_rows_copied"] < view.num_rows - 10
+    rows = {(r["key"], r["window_start"], r["window_end"]): (r["value"], r["window_end_day"], r["window_end_hour"])
+            for r in view.to_pylist()}
+    # The hot session's row moved from partition to partition as its end advanced; it is there once.
+    assert [k for k in rows if k[0] == "hot"] == [("hot", minute(0.5), minute(10 * batches - 1.5 + 5))]
+    assert rows["hot", minute(0.5), minute(10 * batches + 3.5)][0] == 5 * batches
+    assert rows["cold0", minute(1), minute(6)] == (1, T0.date(), 12)
+    assert len(rows) == batches + 1

@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -103,6 +103,10 @@ BOOKKEEPING_TABLES = ("batches", "ingest_log")
 #: COMPACT_OVER_FILES, so what a batch reads does not grow with the number of batches
 COMPACTED_TABLES = (*BOOKKEEPING_TABLES, "seen_ids")
 COMPACT_OVER_FILES = 8
+#: the current view's partitions: a batch's MERGE rewrites the hours it touches
+CURRENT_PARTITIONS = ("window_end_day", "window_end_hour")
+#: above this many (day, hour) partitions in one batch, its MERGE filter names whole days
+MAX_PARTITION_CLAUSES = 48
 OUTPUT_TABLES = ("panes", "current", "late", "quarantine", "windows", "seen_ids", "ingest_log")
 
 
@@ -885,19 +889,36 @@ class MicroBatch:
         if not table.num_rows:
             return
         existing = self.tables.open(self.name, "current")
-        if existing is not None and "window_day" not in {f.name for f in existing.schema().fields}:
-            # a view created before it was partitioned: merged as before
-            self._step("current", lambda: self.tables.merge(self.name, "current", table, on=on,
-                                                            delete_when="s.deleted", txn=txn))
-            return
-        # Partitioned by the window's UTC day, and the MERGE told which days it touches: a batch rewrites
-        # the files of the days it updates, not the whole view (which grows with history).
-        table = table.append_column("window_day", pc.cast(table.column("window_start"), pa.date32()))
-        days = sorted({d.isoformat() for d in pc.unique(table.column("window_day")).to_pylist()})
-        target = "t.window_day IN (" + ", ".join(f"'{d}'" for d in days) + ")"
+        # A view created under an earlier layout (unpartitioned, or by day only) keeps it.
+        parts = CURRENT_PARTITIONS if existing is None else tuple(existing.metadata().partition_columns)
+        table, target = _time_partitions(table, parts)
         self._step("current", lambda: self.tables.merge(
-            self.name, "current", table, on=["window_day", *on], delete_when="s.deleted", txn=txn,
-            partition_by=["window_day"], target_filter=target))
+            self.name, "current", table, on=[*parts, *on], delete_when="s.deleted", txn=txn,
+            partition_by=list(parts), target_filter=target))
+
+
+def _time_partitions(table: pa.Table, parts: Sequence[str]) -> tuple[pa.Table, str | None]:
+    """Adds the view's partition columns and the MERGE's target filter naming the partitions the rows
+    fall in. By the UTC day and hour of ``window_end``: a batch can only change windows that are still
+    live (end + allowed lateness not yet passed by the watermark), so it rewrites the last hours, while a
+    partition by ``window_start`` is pinned open by every long session (a hot key's session spans the
+    whole stream) and the MERGE rewrote a day that grows batch by batch."""
+    if not parts:
+        return table, None
+    end = table.column("window_end")
+    values = {"window_day": pc.cast(table.column("window_start"), pa.date32()),  # views made before end partitions
+              "window_end_day": pc.cast(end, pa.date32()), "window_end_hour": pc.hour(end).cast(pa.int32())}
+    for name in parts:
+        table = table.append_column(name, values[name])
+    combos = pa.table({name: table.column(name) for name in parts}).group_by(list(parts)).aggregate([])
+    if combos.num_rows > MAX_PARTITION_CLAUSES:  # a long replay: name the days (a superset) instead
+        day = parts[0]
+        parts, combos = [day], pa.table({day: pc.unique(table.column(day))})
+    clauses = []
+    for row in sorted(combos.to_pylist(), key=lambda r: tuple(r[n] for n in parts)):
+        conds = [f"t.{n} = '{row[n].isoformat()}'" if n.endswith("_day") else f"t.{n} = {row[n]}" for n in parts]
+        clauses.append("(" + " AND ".join(conds) + ")")
+    return table, " OR ".join(clauses)
 
 
 def run_batch(settings: Settings, spec: PipelineSpec, processing_time: datetime | int | str, *,
