@@ -99,7 +99,8 @@ def test_current_view_rewrites_only_the_hours_of_live_windows(settings, tables, 
     windows it can still change, even while a hot key's session has stayed open since the first batch."""
     spec = pipeline_from_dict({"name": pipeline_name, "window": {"type": "sessions", "gap": "5m"},
                                "accumulation": "accumulating_and_retracting", "allowed_lateness": "10m",
-                               "trigger": "AtWatermark(early=AtPeriod('5m'))", "source": {"prefix": f"{pipeline_name}/"},
+                               "trigger": "AtWatermark(early=AtPeriod('5m'))",
+                               "source": {"prefix": f"{pipeline_name}/"},
                                "watermark": {"policy": "processing_time", "lag": "0s"}})
     batches = 18  # 12:00 to 15:00: the hot key's session spans it all, cold keys close hour by hour
     for b in range(batches):
