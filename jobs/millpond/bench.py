@@ -140,6 +140,7 @@ class MemorySampler:
 
         self._psutil = psutil
         self.me = psutil.Process()
+        self._exe = self.me.exe()
         self.exclude_root = exclude_root
         self.interval = interval
         self.peak_tree = 0
@@ -169,7 +170,12 @@ class MemorySampler:
             if child.pid in excluded:
                 continue
             with contextlib.suppress(ps.Error):
-                total += child.memory_info().rss
+                if child.ppid() == self.me.pid and child.exe() == self._exe:
+                    # a fork of this process (the per-key step's workers, see ``cores``): its RSS repeats the
+                    # pages it shares with us copy-on-write, so only what it owns (USS) is added
+                    total += child.memory_full_info().uss
+                else:
+                    total += child.memory_info().rss
         return own, total
 
     def _loop(self) -> None:

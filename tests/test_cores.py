@@ -1,0 +1,86 @@
+"""The driver path's per-key step spread over forked workers gives the same tables as one process."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import pytest
+from millpond import cores, microbatch
+from millpond.microbatch import run_batch
+from millpond.objectstore import ObjectStore
+from millpond.pipeline import pipeline_from_dict
+from millpond.timeutil import to_datetime
+from millpond.workload import WorkloadSpec, generate, land
+
+pytestmark = pytest.mark.skipif(not cores.can_fork(), reason="forked workers are Linux-only")
+
+
+def test_ranges_are_contiguous_and_balanced() -> None:
+    assert cores.ranges([1] * 10, 2) == [(0, 5), (5, 10)]
+    assert cores.ranges([5, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 6)]  # by weight, not by count
+    assert cores.ranges([1, 1], 5) == [(0, 1), (1, 2)]  # never an empty range
+    assert cores.ranges([], 3) == []
+
+
+def test_ranges_run_in_other_processes_and_come_back_in_order() -> None:
+    out = cores.map_ranges(lambda lo, hi: (os.getpid(), lo, hi), [1] * 9, workers=2, min_range=3)
+    assert [(lo, hi) for _, lo, hi in out] == [(0, 3), (3, 6), (6, 9)]
+    assert out[0][0] == os.getpid() and len({pid for pid, _, _ in out}) == 3
+    # too little work for a fork: one range, here
+    assert cores.map_ranges(lambda lo, hi: (os.getpid(), lo, hi), [1] * 9, workers=2, min_range=10) == [
+        (os.getpid(), 0, 9)]
+
+
+def test_a_worker_error_reaches_the_job() -> None:
+    def work(lo: int, hi: int) -> int:
+        if lo:
+            raise ValueError(f"bad key range {lo}..{hi}")
+        return hi
+
+    with pytest.raises(ValueError, match="bad key range 2..4"):
+        cores.map_ranges(work, [1] * 4, workers=1, min_range=1)
+
+
+def _tables(tables, name: str) -> dict[str, list]:
+    out = {}
+    for table in ("panes", "current", "windows", "late", "seen_ids", "batches"):
+        t = tables.read_arrow(name, table, schema=pa.schema([]))
+        if "phases" in t.column_names:
+            t = t.drop(["phases", "versions"])
+        out[table] = sorted(repr(sorted(r.items())) for r in t.to_pylist())
+    return out
+
+
+def test_forked_per_key_step_matches_one_process(settings, tables, pipeline_name, monkeypatch) -> None:
+    spec_w = WorkloadSpec(events=12_000, keys=600, batches=3, seed=5)
+    events = generate(spec_w)
+    store = ObjectStore(settings)
+    doc = {"window": {"type": "sessions", "gap": "5m"}, "aggregation": "sum",
+           "trigger": "AtWatermark(early=AfterDelay('1m'), late=AtCount(1))",
+           "accumulation": "accumulating_and_retracting", "allowed_lateness": "1h", "batch_interval": "5m",
+           "watermark": {"policy": "processing_time", "lag": "2m"}}
+    forks = []
+    real_pool = cores.ProcessPoolExecutor
+
+    def counting_pool(*args, **kwargs):
+        forks.append(kwargs.get("max_workers"))
+        return real_pool(*args, **kwargs)
+
+    monkeypatch.setattr(cores, "ProcessPoolExecutor", counting_pool)
+    names = {}
+    for workers, min_range in ((0, cores.MIN_RANGE), (2, 500)):
+        name = names[workers] = f"{pipeline_name}_w{workers}"
+        land(store, settings.bucket_landing, f"{name}/", spec_w, events)
+        spec = pipeline_from_dict({"name": name, "source": {"prefix": f"{name}/"}, **doc})
+        monkeypatch.setattr(cores, "WORKERS", workers)
+        monkeypatch.setattr(cores, "MIN_RANGE", min_range)
+        for b in range(spec_w.batches + 1):
+            run_batch(settings, spec, to_datetime(spec_w.start_us + (b + 1) * spec_w.interval_us))
+        assert bool(forks) == bool(workers), forks
+    assert len(forks) >= spec_w.batches  # every batch with new elements spread its chunk over forks
+    one, split = (_tables(tables, names[w]) for w in (0, 2))
+    assert one["panes"] and one["current"] and one["windows"]
+    for table in one:
+        assert [r.replace(names[0], "P") for r in one[table]] == [r.replace(names[2], "P") for r in split[table]], table
+    assert microbatch.LOCAL_THRESHOLD > spec_w.events  # both ran the driver path
