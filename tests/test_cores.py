@@ -32,6 +32,16 @@ def test_ranges_run_in_other_processes_and_come_back_in_order() -> None:
         (os.getpid(), 0, 9)]
 
 
+def test_a_dead_worker_s_range_runs_in_the_job() -> None:
+    def work(lo: int, hi: int) -> tuple[int, int, int]:
+        if lo and os.getpid() != parent:
+            os._exit(9)  # killed mid-range, as the kernel's OOM killer would
+        return os.getpid(), lo, hi
+
+    parent = os.getpid()
+    assert cores.map_ranges(work, [1] * 4, workers=1, min_range=1) == [(parent, 0, 2), (parent, 2, 4)]
+
+
 def test_a_worker_error_reaches_the_job() -> None:
     def work(lo: int, hi: int) -> int:
         if lo:
@@ -61,14 +71,15 @@ def test_forked_per_key_step_matches_one_process(settings, tables, pipeline_name
            "accumulation": "accumulating_and_retracting", "allowed_lateness": "1h", "batch_interval": "5m",
            "watermark": {"policy": "processing_time", "lag": "2m"}}
     forks = []
-    real_pool = cores.ProcessPoolExecutor
+    real_map = cores.map_ranges
 
-    def counting_pool(*args, **kwargs):
-        forks.append(kwargs.get("max_workers"))
-        return real_pool(*args, **kwargs)
+    def counting_map(work, weights, *args, **kwargs):
+        out = real_map(work, weights, *args, **kwargs)
+        forks.append(len(out) - 1)
+        return out
 
-    monkeypatch.setattr(cores, "ProcessPoolExecutor", counting_pool)
-    names = {}
+    monkeypatch.setattr(cores, "map_ranges", counting_map)
+    names, forked = {}, {}
     for workers, min_range in ((0, cores.MIN_RANGE), (2, 500)):
         name = names[workers] = f"{pipeline_name}_w{workers}"
         land(store, settings.bucket_landing, f"{name}/", spec_w, events)
@@ -77,8 +88,9 @@ def test_forked_per_key_step_matches_one_process(settings, tables, pipeline_name
         monkeypatch.setattr(cores, "MIN_RANGE", min_range)
         for b in range(spec_w.batches + 1):
             run_batch(settings, spec, to_datetime(spec_w.start_us + (b + 1) * spec_w.interval_us))
-        assert bool(forks) == bool(workers), forks
-    assert len(forks) >= spec_w.batches  # every batch with new elements spread its chunk over forks
+        forked[workers] = sum(forks)
+        forks.clear()
+    assert forked[0] == 0 and forked[2] >= 2 * spec_w.batches  # each batch: this process and two forks
     one, split = (_tables(tables, names[w]) for w in (0, 2))
     assert one["panes"] and one["current"] and one["windows"]
     for table in one:

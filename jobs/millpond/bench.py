@@ -170,13 +170,17 @@ class MemorySampler:
             if child.pid in excluded:
                 continue
             with contextlib.suppress(ps.Error):
-                if child.ppid() == self.me.pid and child.exe() == self._exe:
-                    # a fork of this process (the per-key step's workers, see ``cores``): its RSS repeats the
-                    # pages it shares with us copy-on-write, so only what it owns (USS) is added
-                    total += child.memory_full_info().uss
-                else:
-                    total += child.memory_info().rss
+                total += self._own_memory(child)
         return own, total
+
+    def _own_memory(self, child) -> int:
+        """RSS; for a fork of this process (the per-key step's workers, see ``cores``) only what it owns
+        (USS): its RSS repeats the pages it shares with us copy-on-write."""
+        try:
+            forked = child.ppid() == self.me.pid and child.exe() == self._exe
+        except self._psutil.Error:
+            forked = False
+        return child.memory_full_info().uss if forked else child.memory_info().rss
 
     def _loop(self) -> None:
         while not self._stop.is_set():

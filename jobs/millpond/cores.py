@@ -1,10 +1,10 @@
 """The driver path's per-key step on every core of the machine.
 
-The step is Python, so one process uses one core. Forking after a chunk's elements exist as Python
-objects hands them to the children for free (copy-on-write, nothing serialized); each child runs a
-contiguous range of keys and returns its output already assembled into Arrow tables, which pickle as
-buffers. The ranges are contiguous and their results come back in range order, so the output is the
-same as one process's, whatever the number of workers.
+The step is Python, so one process uses one core. A chunk's keys are cut into contiguous ranges of
+about equal expected cost; forked children inherit the batch's Arrow columns and the work function
+(copy-on-write, nothing serialized on the way in), each makes its own range's Python objects and runs
+it, and returns its output already assembled into Arrow tables, which pickle as buffers. The results
+come back in range order, so the output is the same as one process's, whatever the number of workers.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import logging
 import multiprocessing
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from typing import TypeVar
 
 import numpy as np
@@ -27,7 +26,7 @@ T = TypeVar("T")
 #: helper processes forked for a chunk's per-key step (``MILLPOND_DRIVER_WORKERS``); default one per
 #: extra core, 0 keeps the step in the job's process
 WORKERS = int(os.environ.get("MILLPOND_DRIVER_WORKERS", str(max(0, (os.cpu_count() or 1) - 1))))
-#: a range smaller than this (elements + state rows) is not worth a fork (~20-50 ms on a large heap)
+#: a range worth less than this (in elements, see the weights) is not worth a fork (~20-50 ms on a large heap)
 MIN_RANGE = int(os.environ.get("MILLPOND_DRIVER_MIN_RANGE", "20000"))
 
 _work: Callable[[int, int], object] | None = None
@@ -50,15 +49,26 @@ def ranges(weights: Sequence[int], parts: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:], strict=False))
 
 
-def _run(lo: int, hi: int) -> object:
-    assert _work is not None, "called outside map_ranges"
-    return _work(lo, hi)
+def _child(send, lo: int, hi: int) -> None:
+    """In a forked child: run the range, send back (True, result) or (False, exception, traceback)."""
+    try:
+        assert _work is not None, "called outside map_ranges"
+        message: tuple = (True, _work(lo, hi))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the job
+        message = (False, exc, traceback.format_exc())
+    try:
+        send.send(message)
+    except Exception:  # noqa: BLE001 - an exception that does not pickle goes back as text
+        send.send((False, RuntimeError(repr(message[1])), message[-1]))
+    finally:
+        send.close()
 
 
 def map_ranges(work: Callable[[int, int], T], weights: Sequence[int], workers: int | None = None,
                min_range: int | None = None) -> list[T]:
     """``work(lo, hi)`` over contiguous ranges of items (``weights``: the cost of each), results in range
-    order: the first range in this process, the others in forked children running at the same time."""
+    order: the first range in this process, each other one in a forked child of its own, at the same time.
+    A child's exception is raised here; a child that dies (killed, out of memory) has its range run here."""
     global _work
     workers = WORKERS if workers is None else workers
     min_range = MIN_RANGE if min_range is None else min_range
@@ -69,20 +79,34 @@ def map_ranges(work: Callable[[int, int], T], weights: Sequence[int], workers: i
     spans = ranges(weights, parts)
     if len(spans) <= 1:
         return [work(*spans[0])] if spans else []
+    ctx = multiprocessing.get_context("fork")
     _work = work
+    children = []
     try:
-        pool = ProcessPoolExecutor(max_workers=len(spans) - 1, mp_context=multiprocessing.get_context("fork"))
-        try:
-            futures = [pool.submit(_run, lo, hi) for lo, hi in spans[1:]]  # the fork happens here
-            out: list[T] = [work(*spans[0])]
-            for (lo, hi), f in zip(spans[1:], futures, strict=True):
-                try:
-                    out.append(f.result())
-                except BrokenProcessPool as exc:  # a child died (e.g. killed): its range runs here
-                    logger.warning("per-key worker for keys %d..%d died (%s); running them in the job", lo, hi, exc)
-                    out.append(work(lo, hi))
-            return out
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        for lo, hi in spans[1:]:
+            recv, send = ctx.Pipe(duplex=False)
+            child = ctx.Process(target=_child, args=(send, lo, hi), daemon=True, name=f"millpond-keys-{lo}")
+            child.start()
+            send.close()
+            children.append((child, recv, lo, hi))
+        out: list[T] = [work(*spans[0])]
+        for child, recv, lo, hi in children:
+            try:
+                message = recv.recv()
+            except EOFError:
+                child.join()
+                logger.warning("per-key worker for keys %d..%d died (exit code %s); running them in the job",
+                               lo, hi, child.exitcode)
+                out.append(work(lo, hi))
+                continue
+            if not message[0]:
+                raise message[1] from RuntimeError(f"in the per-key worker for keys {lo}..{hi}:\n{message[2]}")
+            out.append(message[1])
+        return out
     finally:
         _work = None
+        for child, recv, _, _ in children:
+            recv.close()
+            if child.is_alive():
+                child.kill()
+            child.join()
