@@ -125,4 +125,3 @@ def test_a_dead_scheduler_is_restarted(airflow_stack) -> None:
     assert stack.revive() == ["scheduler"]
     assert stack.running() and stack.pids()["scheduler"] != pid
     assert stack.revive() == []  # nothing more to do
-
