@@ -7,8 +7,9 @@ import json
 from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
+from deltalake import DeltaTable
 from millpond.ingest import arrival_tag
-from millpond.microbatch import run_batch
+from millpond.microbatch import COMPACT_OVER_FILES, MicroBatch, run_batch
 from millpond.objectstore import ObjectStore
 from millpond.pipeline import pipeline_from_dict
 from millpond.timeutil import US, to_us
@@ -66,20 +67,27 @@ def test_dedup_state_is_bounded_and_old_redelivery_is_counted_late(settings, tab
                                "source": {"prefix": f"{pipeline_name}/"}, "allowed_lateness": "1m",
                                "watermark": {"policy": "processing_time", "lag": "0s"}})
     store = ObjectStore(settings)
-    for b in range(10):
+    # Ids expire when seen_ids is compacted: at its upkeep turn once it has more than COMPACT_OVER_FILES
+    # files (one per batch).
+    turns = MicroBatch(settings, spec).upkeep_turns()
+    batches = next(b for b in range(COMPACT_OVER_FILES + 1, 10 * len(turns)) if turns[b % len(turns)] == (
+        "compact", "seen_ids"))
+    for b in range(batches):
         store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{arrival_tag(us(b))}-{b}.jsonl",
                         event(b, b + 0.5, b + 0.6).encode())
         run_batch(settings, spec, T0 + timedelta(minutes=b + 1))
     seen = tables.read_arrow(pipeline_name, "seen_ids")
-    # Batch 10 (watermark 12:10) expired ids older than 12:10 - (1m lateness + 1m window) = 12:08.
-    assert sorted(seen.column("id").to_pylist()) == ["e8", "e9"]
+    # The last batch (watermark 12:<batches>) rewrote seen_ids into one file, without the ids older than
+    # 2 minutes (1m lateness + 1m window) before it.
+    assert set(seen.column("id").to_pylist()) == {f"e{batches - 2}", f"e{batches - 1}"}
+    assert len(DeltaTable(tables.uri(pipeline_name, "seen_ids"), storage_options=tables.options).file_uris()) == 1
     # e1 delivered again: no longer remembered, but its window is past allowed lateness: late, not double.
-    store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{arrival_tag(us(10))}-again.jsonl",
-                    event(1, 1.5, 10.2).encode())
-    result = run_batch(settings, spec, T0 + timedelta(minutes=11))
+    store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{arrival_tag(us(batches))}-again.jsonl",
+                    event(1, 1.5, batches + 0.2).encode())
+    result = run_batch(settings, spec, T0 + timedelta(minutes=batches + 1))
     assert result.counts["late"] == 1 and result.counts["accepted"] == 1
     late = tables.read_arrow(pipeline_name, "late", schema=pa.schema([("id", pa.string())]))
     assert late.column("id").to_pylist() == ["e1"]
     assert late.column("reason").to_pylist() == ["beyond allowed lateness"]
     values = tables.read_arrow(pipeline_name, "current").column("value").to_pylist()
-    assert sum(values) == 10  # ten events counted once each
+    assert sum(values) == batches  # each event counted once

@@ -348,7 +348,8 @@ class ComputationBatch(MicroBatch):
                 produced[stream].append({**rec, "batch": batch})
         for stream in sorted(produced):
             table = self._production_table(stream, produced[stream])
-            self._step(f"produce_{stream}", lambda s=stream, tb=table: self.tables.append(name, s, tb, txn=txn))
+            self._step(f"produce_{stream}", lambda s=stream, tb=table: self.tables.append(name, s, tb, txn=txn),
+                       table=stream)
         held = min((o.held_by for o in outcomes if o.held_by is not None), default=None)
         out = clock.watermark if held is None else min(clock.watermark, held)
         out = max(out, self._previous_output(batch, v_watermarks))  # monotonic, as MillWheel promises

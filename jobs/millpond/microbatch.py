@@ -19,7 +19,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
@@ -36,7 +36,7 @@ from .engine import BatchClock, Element, process_key, timers
 from .errors import MillpondError
 from .ingest import LandingFile, event_schema, file_arrival, parse_file_table
 from .lease import Lease
-from .objectstore import ObjectStore
+from .objectstore import ObjectStore, StoredObject
 from .panes import TS, pane_schema
 from .pipeline import PipelineSpec, pipeline_from_dict
 from .state import WINDOWS_SCHEMA, WindowState
@@ -48,8 +48,6 @@ from .windows import Window
 logger = logging.getLogger(__name__)
 
 INPROGRESS = ".inprogress"
-#: dedup ids past the horizon are dropped every this many batches (one small delete commit)
-EXPIRE_EVERY = 10
 #: below this many new elements the per-key step runs in the driver (same code, no Spark job). On one
 #: 2-core machine the driver path was faster at every size measured (up to 1M elements, see bench/);
 #: on a cluster, lower it (``MILLPOND_LOCAL_THRESHOLD``) so Spark spreads the per-key step.
@@ -108,6 +106,8 @@ BOOKKEEPING_TABLES = ("batches", "ingest_log")
 #: COMPACT_OVER_FILES, so what a batch reads does not grow with the number of batches
 COMPACTED_TABLES = (*BOOKKEEPING_TABLES, "seen_ids")
 COMPACT_OVER_FILES = 8
+#: a table's first commits replay about as fast as a checkpoint reads: its turns start at this version
+CHECKPOINT_FROM_VERSION = 4
 #: the current view's partitions: a batch's MERGE rewrites the hours it touches
 CURRENT_PARTITIONS = ("window_end_day", "window_end_hour")
 #: above this many (day, hour) partitions in one batch, its MERGE filter names whole days
@@ -194,6 +194,16 @@ class _Timer:
         now = time.perf_counter()
         self.phases[name] = self.phases.get(name, 0.0) + now - self._t
         self._t = now
+
+
+def _concurrently(calls: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Independent reads of different tables at once: each mostly waits on the object store, with the
+    GIL released. The first failure is raised after all have finished."""
+    if len(calls) <= 1:
+        return {k: f() for k, f in calls.items()}
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        futures = {k: pool.submit(f) for k, f in calls.items()}
+    return {k: f.result() for k, f in futures.items()}
 
 
 # -- the per-key step, shared by the Spark and the driver paths ------------------------------------
@@ -516,6 +526,10 @@ class MicroBatch:
 
     def __init__(self, settings: Settings, spec: PipelineSpec, spark=None, validate: bool = False) -> None:
         self._deferred: list[tuple[str, str, Callable[[], Any]]] | None = None
+        #: tables this run has committed to (their snapshots are current: see ``_versions``)
+        self._written: set[str] = set()
+        #: the plan's commit, running while the planned files are read (see ``_plan_landed``)
+        self._plan_commit: Future | None = None
         self.settings = settings
         self.validate = validate
         self.quality = None
@@ -532,24 +546,30 @@ class MicroBatch:
     def committed(self) -> pa.Table:
         return self.tables.read_arrow(self.name, "batches", schema=BATCHES_SCHEMA)
 
-    def plan_of(self, batch: int) -> dict[str, Any] | None:
-        log = self.tables.read_arrow(self.name, "ingest_log", schema=PLAN_SCHEMA,
-                                     filters=pc.field("batch") == batch)
+    def ingest_log(self) -> pa.Table:
+        return self.tables.read_arrow(self.name, "ingest_log", schema=PLAN_SCHEMA)
+
+    def plan_of(self, batch: int, log: pa.Table | None = None) -> dict[str, Any] | None:
+        log = (self.ingest_log() if log is None else log).filter(pc.field("batch") == batch)
         if not log.num_rows:
             return None
         row = log.to_pylist()[0]
         return {"files": row["files"], "arrivals": row["file_arrivals"], "versions": json.loads(row["versions"])}
 
-    def taken_files(self) -> set[str]:
-        log = self.tables.read_arrow(self.name, "ingest_log", schema=PLAN_SCHEMA, columns=["files"])
+    def taken_files(self, log: pa.Table | None = None) -> set[str]:
+        log = self.ingest_log() if log is None else log
         return {f for files in log.column("files").to_pylist() for f in files}
 
-    def pending_files(self, processing_time: int) -> tuple[list[LandingFile], int | None]:
+    def landing(self) -> list[StoredObject]:
+        return list(self.store.list(self.settings.bucket_landing, self.spec.source_prefix))
+
+    def pending_files(self, processing_time: int, log: pa.Table | None = None,
+                      listing: list[StoredObject] | None = None) -> tuple[list[LandingFile], int | None]:
         """Finished files to take now, and the arrival of the oldest file still being written."""
-        taken = self.taken_files()
+        taken = self.taken_files(log)
         out = []
         unfinished: list[int] = []
-        for obj in self.store.list(self.settings.bucket_landing, self.spec.source_prefix):
+        for obj in self.landing() if listing is None else listing:
             arrival = file_arrival(obj)
             if arrival >= processing_time:
                 continue
@@ -575,37 +595,49 @@ class MicroBatch:
         if self._deferred is not None:
             self._deferred.append((name, table or name, write))
             return
+        self._commit_now(name, write, table or name)
+
+    def _commit_now(self, name: str, write: Callable[[], Any], table: str) -> None:
         self.lease.check()
         write()
+        self._written.add(table)
         crash_point(name, self.batch)
 
-    def _flush(self) -> None:
+    def _flush(self, tables: Sequence[str] = ()) -> dict[str, int | None]:
         """Run the deferred commits: each table's in order, different tables in parallel. They are
         independent (each is idempotent by the batch's transaction id, and readers only trust versions
         named by the marker), so their order does not matter; a crash leaves a subset, which the rerun
-        completes. The first failure is raised after every started commit has finished."""
+        completes. The first failure is raised after every started commit has finished.
+
+        Meanwhile the versions of ``tables`` that this run does not write are read, for the marker."""
         deferred, self._deferred = self._deferred or [], None
-        by_table: dict[str, list[tuple[str, Callable[[], Any]]]] = {}
+        by_table: dict[str, list[tuple[str, str, Callable[[], Any]]]] = {}
         for name, table, write in deferred:
-            by_table.setdefault(table, []).append((name, write))
+            by_table.setdefault(table, []).append((name, table, write))
+        probe = [n for n in tables if n not in by_table and n not in self._written]
 
-        def run(steps: list[tuple[str, Callable[[], Any]]]) -> None:
-            for name, write in steps:
-                self._step(name, write)
+        def run(steps: list[tuple[str, str, Callable[[], Any]]]) -> None:
+            for name, table, write in steps:
+                self._commit_now(name, write, table)
 
-        if len(by_table) <= 1:
-            for steps in by_table.values():
-                run(steps)
-            return
-        with ThreadPoolExecutor(max_workers=len(by_table)) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, len(by_table) + len(probe))) as pool:
             futures = [pool.submit(run, steps) for steps in by_table.values()]
+            probes = {n: pool.submit(self.tables.version, self.name, n) for n in probe}
         for f in futures:
             f.result()
+        return {n: f.result() for n, f in probes.items()}
 
     def _run(self, processing_time: datetime | int | str, watermark: datetime | int | str | None) -> BatchResult:
         P = to_us(processing_time)
         t = _Timer()
-        done = self.committed()
+        self._written = set()
+        # What the plan may need, read at once: the history, the landing files, the state versions
+        # (a rerun of a crashed batch uses its plan's versions instead).
+        state_tables = {f"version:{name}": (lambda name=name: self.tables.version(self.name, name))
+                        for name in self.state_tables}
+        found = _concurrently({"done": self.committed, "log": self.ingest_log, "landing": self.landing,
+                               **state_tables})
+        done = found["done"]
         prior = done.filter(pc.field("processing_time") == pa.scalar(P, pa.int64()).cast(TS))
         if prior.num_rows:
             row = prior.to_pylist()[0]
@@ -623,29 +655,45 @@ class MicroBatch:
         w_in = to_us(prev["watermark"]) if prev else MIN_TS
         max_et_prev = to_us(prev["max_event_time"]) if prev and prev["max_event_time"] is not None else None
 
-        # Plan: written first; a rerun of a crashed batch finds it and redoes exactly the same work.
-        plan = self.plan_of(batch)
-        if plan is None:
-            files, oldest_pending = self.pending_files(P)
-            versions = {name: self.tables.version(self.name, name) for name in self.state_tables}
-            versions["oldest_pending"] = oldest_pending
-            plan = {"files": [f.key for f in files], "arrivals": [f.arrival for f in files], "versions": versions}
-            self._step("ingest_log", lambda: self.tables.append(self.name, "ingest_log", pa.Table.from_arrays([
-                pa.array([batch], pa.int64()), _ts([P]), pa.array([plan["files"]], pa.list_(pa.string())),
-                pa.array([plan["arrivals"]], pa.list_(pa.int64())),
-                pa.array([json.dumps(versions, sort_keys=True)])], schema=PLAN_SCHEMA), txn=txn))
-        t.lap("plan")
+        # Plan: committed first; a rerun of a crashed batch finds it and redoes exactly the same work.
+        # Its commit runs while the planned files are read and deduplicated (nothing else commits
+        # before it has landed, and forked workers never start beside it).
+        plan = self.plan_of(batch, found["log"])
+        background = ThreadPoolExecutor(max_workers=1)
+        try:
+            if plan is None:
+                files, oldest_pending = self.pending_files(P, found["log"], found["landing"])
+                versions = {name: found[f"version:{name}"] for name in self.state_tables}
+                versions["oldest_pending"] = oldest_pending
+                plan = {"files": [f.key for f in files], "arrivals": [f.arrival for f in files],
+                        "versions": versions}
+                log_row = pa.Table.from_arrays([
+                    pa.array([batch], pa.int64()), _ts([P]), pa.array([plan["files"]], pa.list_(pa.string())),
+                    pa.array([plan["arrivals"]], pa.list_(pa.int64())),
+                    pa.array([json.dumps(versions, sort_keys=True)])], schema=PLAN_SCHEMA)
+                self._plan_commit = background.submit(self._commit_now, "ingest_log", lambda: self.tables.append(
+                    self.name, "ingest_log", log_row, txn=txn), "ingest_log")
+            t.lap("plan")
 
-        # Ingest: read and parse the planned files (in parallel), quarantine bad rows.
-        good, bad = self._read(plan, P)
-        t.lap("ingest")
+            # Ingest: read and parse the planned files (in parallel), quarantine bad rows.
+            good, bad = self._read(plan, P)
+            t.lap("ingest")
 
-        # Dedup: within the batch, then against ids seen by earlier batches.
-        accepted = self._dedup(good, plan["versions"].get("seen_ids"))
-        duplicates = good.num_rows - accepted.num_rows
-        del good
-        t.lap("dedup")
+            # Dedup: within the batch, then against ids seen by earlier batches.
+            accepted = self._dedup(good, plan["versions"].get("seen_ids"))
+            good_count = good.num_rows
+            del good
+            t.lap("dedup")
+            return self._finish(P, t, batch, txn, plan, w_in, max_et_prev, watermark, accepted, good_count, bad)
+        finally:
+            background.shutdown(wait=True)  # never leave a commit running behind an error
+            self._plan_commit = None
 
+    def _finish(self, P: int, t: _Timer, batch: int, txn: Txn, plan: dict[str, Any], w_in: int,
+                max_et_prev: int | None, watermark: datetime | int | str | None, accepted: pa.Table,
+                good_count: int, bad: list[tuple]) -> BatchResult:
+        """The batch after dedup: watermark, windowing, commits, the marker, upkeep."""
+        duplicates = good_count - accepted.num_rows
         # Watermark: the policy's candidate, never moving backwards.
         event_times = accepted.column("event_time")
         max_et = max(([pc.max(event_times).as_py()] if accepted.num_rows else [])
@@ -677,8 +725,8 @@ class MicroBatch:
             self._step("seen_ids", lambda: self.tables.append(name, "seen_ids", pa.table(
                 {"id": accepted.column("id"), "event_time": event_times.cast(TS),
                  "batch": pa.array(np.full(accepted.num_rows, batch, np.int64))}, schema=SEEN_SCHEMA), txn=txn))
-        self._expire_seen(batch, txn, clock)
-        self._flush()
+        self._plan_landed()
+        probed = self._flush(self.output_tables)
         t.lap("commit")
         counts = {"files": len(plan["files"]), "input": accepted.num_rows + duplicates + len(bad),
                   "accepted": accepted.num_rows, "duplicates": duplicates, "quarantined": len(bad),
@@ -686,33 +734,64 @@ class MicroBatch:
         marker = {"batch": batch, "processing_time": P, "watermark": w_new, "input_watermark": w_in,
                   "max_event_time": max_et, **counts,
                   "phases": json.dumps({k: round(v, 4) for k, v in t.phases.items()}),
-                  "versions": json.dumps({n: self.tables.version(name, n) for n in self.output_tables},
-                                         sort_keys=True)}
+                  "versions": json.dumps(self._versions(self.output_tables, probed), sort_keys=True)}
         arrays = [(_ts([marker[f.name]]) if f.type == TS else pa.array([marker[f.name]], f.type))
                   for f in BATCHES_SCHEMA]
         self._step("batches", lambda: self.tables.append(
             name, "batches", pa.Table.from_arrays(arrays, schema=BATCHES_SCHEMA), txn=txn))
         t.lap("commit")
-        self._maintain(batch)
+        self._maintain(batch, clock)
         t.lap("maintain")
         return BatchResult(self.name, batch, to_datetime(P), to_datetime(w_new), counts, t.phases)
 
-    def _maintain(self, batch: int) -> None:
-        """Table upkeep after the marker, in bounded steps so that no batch pays for every table at
-        once: at most one compaction (of the tables a batch reads whole or by range) and one checkpoint
-        (the tables take turns; with delta-rs's own every-10-commits checkpoints, every table wrote one
-        in the same batch, every 10th batch). Best-effort: the batch is committed, a failed step waits
-        for a later batch."""
+    def _versions(self, names: Sequence[str], probed: dict[str, int | None]) -> dict[str, int | None]:
+        """The tables' latest versions for the marker. A table this run committed to is at the version
+        of its own snapshot (this run holds the lease: no one else commits); the others were read while
+        the commits ran (``probed``) or are asked for now, all at once."""
+        known = {n: self.tables.known_version(self.name, n) for n in names if n in self._written}
+        known |= {n: v for n, v in probed.items() if n not in self._written}
+        asked = _concurrently({n: (lambda n=n: self.tables.version(self.name, n))
+                               for n in names if n not in known or (n in self._written and known[n] is None)})
+        return {n: asked[n] if n in asked else known[n] for n in names}
+
+    def _plan_landed(self) -> None:
+        """Wait for the plan's commit (raising its error): before anything else commits, and before the
+        per-key step forks workers."""
+        if self._plan_commit is not None:
+            future, self._plan_commit = self._plan_commit, None
+            future.result()
+
+    def upkeep_turns(self) -> list[tuple[str, str]]:
+        """The cycle of upkeep steps, one per batch: compact each of COMPACTED_TABLES (if it has more
+        than COMPACT_OVER_FILES files), checkpoint each table. One cycle bounds both what a batch pays
+        and how long a table waits: a table's log tail and a compacted table's file count stay under a
+        cycle's length. (Compactions and checkpoints on separate rotations collided: every 8 batches
+        a compaction took the turn of the same checkpoint, and those tables were never checkpointed.)"""
+        tables = sorted(set(self.output_tables) | set(self.state_tables) | set(BOOKKEEPING_TABLES))
+        return [("compact", t) for t in COMPACTED_TABLES] + [("checkpoint", t) for t in tables]
+
+    def _maintain(self, batch: int, clock: BatchClock) -> None:
+        """Table upkeep after the marker, one step of ``upkeep_turns`` per batch, so that no batch pays
+        for every table at once (with delta-rs's own every-10-commits checkpoints, every table wrote one
+        in the same batch, every 10th batch). Dedup ids expire when ``seen_ids`` is compacted: its
+        rewrite keeps only the ids within the dedup horizon. Best-effort: the batch is committed, a
+        failed step waits for its next turn."""
         name = self.name
+        turns = self.upkeep_turns()
+        op, table = turns[batch % len(turns)]
+        horizon = self.dedup_horizon()
         try:
-            for i in range(len(COMPACTED_TABLES)):
-                if self.tables.compact(name, COMPACTED_TABLES[(batch + i) % len(COMPACTED_TABLES)],
-                                       over_files=COMPACT_OVER_FILES):
-                    # delta-rs 1.6 checkpoints an OPTIMIZE commit by the table's interval whatever the
-                    # commit hook says: that may be this batch's checkpoint, so the turn waits.
+            if op == "compact":
+                if table == "seen_ids" and horizon is not None and clock.watermark - horizon > 0:
+                    cutoff = sql_ts(clock.watermark - horizon)
+                    done = self.tables.rewrite(name, table, f"event_time >= {cutoff}", over_files=COMPACT_OVER_FILES,
+                                               schema=SEEN_SCHEMA, sort_by="event_time")
+                else:
+                    done = self.tables.compact(name, table, over_files=COMPACT_OVER_FILES)
+                if done:
                     return
-            turns = sorted(set(self.output_tables) | set(self.state_tables) | set(BOOKKEEPING_TABLES))
-            self.tables.checkpoint(name, turns[batch % len(turns)])
+            # (a compaction turn with nothing to compact checkpoints; a log of a few commits needs none)
+            self.tables.checkpoint(name, table, min_version=CHECKPOINT_FROM_VERSION)
         except MillpondError as exc:
             logger.warning("%s: table maintenance skipped after batch %d: %s", name, batch, exc)
 
@@ -727,6 +806,7 @@ class MicroBatch:
         commits its own outputs (a MillWheel computation replaces this step, see ``millpond.computation``).
         Returns counts for the marker."""
         state = self._state(plan["versions"].get("windows"), accepted, clock)
+        self._plan_landed()
         spec_json = json.dumps(self.spec.raw, sort_keys=True, default=str)
         out = _Assembly(batch, clock, self.spec.value_type, self.spec.pane_value_type,
                         self.spec.mode.value == "discarding")
@@ -814,16 +894,6 @@ class MicroBatch:
         span = {"fixed": window.get("size"), "sliding": window.get("size"), "sessions": window.get("gap")}.get(
             window.get("type", "global"))
         return None if span is None else self.spec.allowed_lateness + parse_duration(span)
-
-    def _expire_seen(self, batch: int, txn: Txn, clock: BatchClock) -> None:
-        """Dedup state is bounded: every 10th batch drops ids older than watermark - horizon."""
-        horizon = self.dedup_horizon()
-        if horizon is None or batch % EXPIRE_EVERY or clock.watermark - horizon <= 0:
-            return
-        cutoff = clock.watermark - horizon
-        self._step("expire_seen", lambda: self.tables.delete(
-            self.name, "seen_ids", f"event_time < {sql_ts(cutoff)}",
-            txn=Txn(f"{txn.app_id}/expire", txn.version)), table="seen_ids")
 
     def _state(self, version: int | None, accepted: pa.Table, clock: BatchClock) -> pa.Table:
         """The stored windows this batch can change: those whose timers are due, and those of touched
@@ -938,13 +1008,16 @@ class MicroBatch:
             on = ["key", "window_start", "window_end"]
         if not table.num_rows:
             return
-        existing = self.tables.open(self.name, "current")
-        # A view created under an earlier layout (unpartitioned, or by day only) keeps it.
-        parts = CURRENT_PARTITIONS if existing is None else tuple(existing.metadata().partition_columns)
-        table, target = _time_partitions(table, parts)
-        self._step("current", lambda: self.tables.merge(
-            self.name, "current", table, on=[*parts, *on], delete_when="s.deleted", txn=txn,
-            partition_by=list(parts), target_filter=target))
+
+        def merge() -> None:
+            existing = self.tables.open(self.name, "current")
+            # A view created under an earlier layout (unpartitioned, or by day only) keeps it.
+            parts = CURRENT_PARTITIONS if existing is None else tuple(existing.metadata().partition_columns)
+            rows, target = _time_partitions(table, parts)
+            self.tables.merge(self.name, "current", rows, on=[*parts, *on], delete_when="s.deleted", txn=txn,
+                              partition_by=list(parts), target_filter=target)
+
+        self._step("current", merge)  # with the other tables' commits, so the open waits beside them
 
 
 def _time_partitions(table: pa.Table, parts: Sequence[str]) -> tuple[pa.Table, str | None]:

@@ -100,6 +100,17 @@ class ObjectStore:
                 created.append(bucket)
         return created
 
+    def probe_reads(self) -> None:
+        """Read one byte of one stored object per bucket. A restarted store answers listings before its
+        volumes serve data again (SeaweedFS: a GET meanwhile fails with 500), so "up" waits for this."""
+        for bucket in self.settings.buckets:
+            first = self._call(lambda b=bucket: next(iter(self.mc.list_objects(b, recursive=True)), None),
+                               bucket=bucket)
+            if first is not None and not first.is_dir and (first.size or 0) > 0:
+                resp = self._call(self.mc.get_object, bucket, first.object_name, offset=0, length=1, bucket=bucket)
+                resp.close()
+                resp.release_conn()
+
     def put_bytes(self, bucket: str, key: str, data: bytes, content_type: str = "application/octet-stream") -> None:
         self._call(
             self.mc.put_object, bucket, key, io.BytesIO(data), len(data), content_type=content_type, bucket=bucket

@@ -211,6 +211,7 @@ class EmbeddedStore:
                 raise MillpondError(f"object store exited at start (code {proc.returncode}): see {self.logfile}")
             try:
                 store.ensure_buckets()
+                store.probe_reads()
                 return True
             except MillpondError as exc:
                 last = exc

@@ -10,11 +10,13 @@ never applies the same commit twice (MillWheel's exactly-once, on the Delta log)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, QueryBuilder, Transaction, write_deltalake
 from deltalake.exceptions import TableNotFoundError
 
@@ -101,6 +103,8 @@ class Tables:
         # runs many batches (`millpond run`, replay, the bench) would otherwise read each table's
         # checkpoint and log again per batch.
         self._latest = _SNAPSHOTS.setdefault((settings.s3_endpoint, settings.s3_access_key), {})
+        #: tables this object created by writing their first rows (version 0, not opened since)
+        self._created: set[str] = set()
 
     def uri(self, pipeline: str, name: str) -> str:
         return self.settings.table_uri(pipeline, name)
@@ -142,12 +146,14 @@ class Tables:
         if stats_columns:
             config["delta.dataSkippingStatsColumns"] = ",".join(stats_columns)
         try:
-            return DeltaTable.create(
+            dt = DeltaTable.create(
                 uri, schema, mode="ignore", partition_by=list(partition_by) if partition_by else None,
                 storage_options=self.options, name=f"{pipeline}.{name}", configuration=config,
             )
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+        self._latest[uri] = dt
+        return dt
 
     # -- reading -----------------------------------------------------------------------------
     def read_arrow(
@@ -242,6 +248,7 @@ class Tables:
                 write_deltalake(uri, data, mode=mode, partition_by=list(partition_by) if partition_by else None,
                                 storage_options=self.options, commit_properties=_commit(txn),
                                 configuration=TABLE_CONFIG, post_commithook_properties=self._hooks)
+                self._created.add(uri)
             else:
                 write_deltalake(dt, data, mode=mode, commit_properties=_commit(txn),
                                 post_commithook_properties=self._hooks)
@@ -270,7 +277,24 @@ class Tables:
         ``txn`` was already applied.
         """
         uri = self.uri(pipeline, name)
-        dt = self.ensure(pipeline, name, source.schema, partition_by, stats_columns)
+        dt = self.open(pipeline, name)
+        kept = _kept(source, delete_when)
+        if dt is None and kept is not None:
+            # Nothing to match yet: the first commit writes the inserted rows (one commit, not a create
+            # and a MERGE; the table gets the same schema, partitions and settings).
+            config = dict(TABLE_CONFIG)
+            if stats_columns:
+                config["delta.dataSkippingStatsColumns"] = ",".join(stats_columns)
+            try:
+                write_deltalake(uri, kept, mode="append", partition_by=list(partition_by) if partition_by else None,
+                                storage_options=self.options, name=f"{pipeline}.{name}", configuration=config,
+                                commit_properties=_commit(txn), post_commithook_properties=self._hooks)
+            except Exception as exc:  # noqa: BLE001
+                raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+            self._created.add(uri)
+            return {"num_source_rows": source.num_rows, "num_target_rows_inserted": kept.num_rows,
+                    "num_target_rows_updated": 0, "num_target_rows_deleted": 0, "created": True}
+        dt = dt or self.ensure(pipeline, name, source.schema, partition_by, stats_columns)
         if self.already_applied(dt, txn):
             return None
         predicate = " AND ".join(([f"({target_filter})"] if target_filter else [])
@@ -287,6 +311,15 @@ class Tables:
             return merger.execute()
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+
+    def known_version(self, pipeline: str, name: str) -> int | None:
+        """The version of this process's latest snapshot, without asking the store: exact for a table
+        this process has just written (its commits advance the snapshot), stale for any other."""
+        uri = self.uri(pipeline, name)
+        dt = self._latest.get(uri)
+        if dt is None:
+            return 0 if uri in self._created else None
+        return dt.version()
 
     def compact(self, pipeline: str, name: str, over_files: int) -> bool:
         """Bin-pack a table's files into one once it has more than ``over_files`` (a ``dataChange=false``
@@ -305,13 +338,33 @@ class Tables:
             raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
         return True
 
-    def checkpoint(self, pipeline: str, name: str) -> bool:
+    def rewrite(self, pipeline: str, name: str, keep: str, over_files: int, schema: pa.Schema,
+                sort_by: str | None = None) -> bool:
+        """Compaction that also drops rows: once a table has more than ``over_files`` files, replace
+        them in one commit by one file of the rows matching ``keep`` (SQL). For state that expires
+        (dedup ids): the expiry costs nothing beyond the compaction the table needs anyway."""
+        uri = self.uri(pipeline, name)
+        dt = self._latest.get(uri)
+        if dt is None:
+            dt = self.open(pipeline, name)
+        if dt is None or len(dt.file_uris()) <= over_files:
+            return False
+        rows = self.select(pipeline, name, keep, schema=schema).select(schema.names).cast(schema)
+        if sort_by:
+            rows = rows.sort_by(sort_by)
+        try:
+            write_deltalake(dt, rows, mode="overwrite", post_commithook_properties=self._hooks)
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+        return True
+
+    def checkpoint(self, pipeline: str, name: str, min_version: int = 0) -> bool:
         """Write a checkpoint at this process's latest snapshot of the table (readers then replay only
-        the commits after it); False if the table does not exist."""
+        the commits after it); False if the table does not exist or is younger than ``min_version``."""
         dt = self._latest.get(self.uri(pipeline, name))
         if dt is None:
             dt = self.open(pipeline, name)
-        if dt is None:
+        if dt is None or dt.version() < min_version:
             return False
         try:
             dt.create_checkpoint()
@@ -328,6 +381,18 @@ class Tables:
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
         return True
+
+
+def _kept(source: pa.Table, delete_when: str | None) -> pa.Table | None:
+    """The rows a MERGE into an empty table inserts, when ``delete_when`` is absent or names a boolean
+    source column (``s.deleted``); None for any other predicate (the MERGE evaluates it)."""
+    if delete_when is None:
+        return source
+    m = re.fullmatch(r"s\.`?(\w+)`?", delete_when.strip())
+    flag = m.group(1) if m else None
+    if flag not in source.column_names or not pa.types.is_boolean(source.schema.field(flag).type):
+        return None
+    return source.filter(pc.invert(source.column(m.group(1))))  # a null flag is neither deleted nor inserted
 
 
 def plain_strings(table: pa.Table) -> pa.Table:
