@@ -112,7 +112,7 @@ class Plan:
     over_time_events: int = 1_000
     over_time_keys: int = 2_000
     #: the 50-batch sequence is run this many times (fresh pipelines); per batch index the median counts
-    over_time_repeats: int = 3
+    over_time_repeats: int = 5
     #: our side of `sessions_100k_vs_beam` runs this many times (fresh pipelines); the median counts
     beam_repeats: int = 3
     tiny_events: int = 1_000

@@ -737,10 +737,22 @@ class MicroBatch:
                   "versions": json.dumps(self._versions(self.output_tables, probed), sort_keys=True)}
         arrays = [(_ts([marker[f.name]]) if f.type == TS else pa.array([marker[f.name]], f.type))
                   for f in BATCHES_SCHEMA]
-        self._step("batches", lambda: self.tables.append(
-            name, "batches", pa.Table.from_arrays(arrays, schema=BATCHES_SCHEMA), txn=txn))
-        t.lap("commit")
-        self._maintain(batch, clock)
+        row = pa.Table.from_arrays(arrays, schema=BATCHES_SCHEMA)
+        turns = self.upkeep_turns()
+        turn = turns[batch % len(turns)]
+        if turn[1] == "batches":
+            self._step("batches", lambda: self.tables.append(name, "batches", row, txn=txn))
+            t.lap("commit")
+            self._maintain(batch, clock, turn)
+        else:
+            # The upkeep step of another table runs beside the marker's commit: it changes no rows a
+            # reader of any batch sees (a compaction or a checkpoint; a seen_ids rewrite drops only ids a
+            # rerun would not read, as it reads the version its plan pinned), so the order does not matter.
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                upkeep = pool.submit(self._maintain, batch, clock, turn)
+                self._step("batches", lambda: self.tables.append(name, "batches", row, txn=txn))
+                t.lap("commit")
+            upkeep.result()
         t.lap("maintain")
         return BatchResult(self.name, batch, to_datetime(P), to_datetime(w_new), counts, t.phases)
 
@@ -770,15 +782,14 @@ class MicroBatch:
         tables = sorted(set(self.output_tables) | set(self.state_tables) | set(BOOKKEEPING_TABLES))
         return [("compact", t) for t in COMPACTED_TABLES] + [("checkpoint", t) for t in tables]
 
-    def _maintain(self, batch: int, clock: BatchClock) -> None:
-        """Table upkeep after the marker, one step of ``upkeep_turns`` per batch, so that no batch pays
+    def _maintain(self, batch: int, clock: BatchClock, turn: tuple[str, str]) -> None:
+        """Table upkeep with the marker, one step of ``upkeep_turns`` per batch, so that no batch pays
         for every table at once (with delta-rs's own every-10-commits checkpoints, every table wrote one
         in the same batch, every 10th batch). Dedup ids expire when ``seen_ids`` is compacted: its
-        rewrite keeps only the ids within the dedup horizon. Best-effort: the batch is committed, a
-        failed step waits for its next turn."""
+        rewrite keeps only the ids within the dedup horizon. Best-effort: a failed step waits for its
+        next turn."""
         name = self.name
-        turns = self.upkeep_turns()
-        op, table = turns[batch % len(turns)]
+        op, table = turn
         horizon = self.dedup_horizon()
         try:
             if op == "compact":

@@ -34,6 +34,7 @@ def client(settings: Settings) -> Minio:
     url = urlparse(settings.s3_endpoint)
     # Fail fast: a stopped store must give a clear error in seconds, not after minutes of retries.
     http = urllib3.PoolManager(
+        maxsize=16,  # a batch reads its files on 8 threads beside other requests: keep their connections
         timeout=urllib3.Timeout(connect=3, read=60),
         retries=urllib3.Retry(total=2, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
     )
