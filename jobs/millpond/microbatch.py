@@ -530,6 +530,8 @@ class MicroBatch:
         self._written: set[str] = set()
         #: the plan's commit, running while the planned files are read (see ``_plan_landed``)
         self._plan_commit: Future | None = None
+        #: one thread beside the batch (the plan's commit, the upkeep step); joined before the lease goes
+        self._background = ThreadPoolExecutor(max_workers=1)
         self.settings = settings
         self.validate = validate
         self.quality = None
@@ -582,9 +584,12 @@ class MicroBatch:
     # the run -----------------------------------------------------------------------------------
     def run(self, processing_time: datetime | int | str, watermark: datetime | int | str | None = None) -> BatchResult:
         self.lease = Lease.acquire(self.settings, self.name)
+        self._background = ThreadPoolExecutor(max_workers=1)
         try:
             return self._run(processing_time, watermark)
         finally:
+            self._background.shutdown(wait=True)  # no commit left running behind an error or the lease
+            self._plan_commit = None
             self.lease.release()
 
     def _step(self, name: str, write: Callable[[], Any], table: str | None = None) -> None:
@@ -659,41 +664,29 @@ class MicroBatch:
         # Its commit runs while the planned files are read and deduplicated (nothing else commits
         # before it has landed, and forked workers never start beside it).
         plan = self.plan_of(batch, found["log"])
-        background = ThreadPoolExecutor(max_workers=1)
-        try:
-            if plan is None:
-                files, oldest_pending = self.pending_files(P, found["log"], found["landing"])
-                versions = {name: found[f"version:{name}"] for name in self.state_tables}
-                versions["oldest_pending"] = oldest_pending
-                plan = {"files": [f.key for f in files], "arrivals": [f.arrival for f in files],
-                        "versions": versions}
-                log_row = pa.Table.from_arrays([
-                    pa.array([batch], pa.int64()), _ts([P]), pa.array([plan["files"]], pa.list_(pa.string())),
-                    pa.array([plan["arrivals"]], pa.list_(pa.int64())),
-                    pa.array([json.dumps(versions, sort_keys=True)])], schema=PLAN_SCHEMA)
-                self._plan_commit = background.submit(self._commit_now, "ingest_log", lambda: self.tables.append(
-                    self.name, "ingest_log", log_row, txn=txn), "ingest_log")
-            t.lap("plan")
+        if plan is None:
+            files, oldest_pending = self.pending_files(P, found["log"], found["landing"])
+            versions = {name: found[f"version:{name}"] for name in self.state_tables}
+            versions["oldest_pending"] = oldest_pending
+            plan = {"files": [f.key for f in files], "arrivals": [f.arrival for f in files], "versions": versions}
+            log_row = pa.Table.from_arrays([
+                pa.array([batch], pa.int64()), _ts([P]), pa.array([plan["files"]], pa.list_(pa.string())),
+                pa.array([plan["arrivals"]], pa.list_(pa.int64())),
+                pa.array([json.dumps(versions, sort_keys=True)])], schema=PLAN_SCHEMA)
+            self._plan_commit = self._background.submit(self._commit_now, "ingest_log", lambda: self.tables.append(
+                self.name, "ingest_log", log_row, txn=txn), "ingest_log")
+        t.lap("plan")
 
-            # Ingest: read and parse the planned files (in parallel), quarantine bad rows.
-            good, bad = self._read(plan, P)
-            t.lap("ingest")
+        # Ingest: read and parse the planned files (in parallel), quarantine bad rows.
+        good, bad = self._read(plan, P)
+        t.lap("ingest")
 
-            # Dedup: within the batch, then against ids seen by earlier batches.
-            accepted = self._dedup(good, plan["versions"].get("seen_ids"))
-            good_count = good.num_rows
-            del good
-            t.lap("dedup")
-            return self._finish(P, t, batch, txn, plan, w_in, max_et_prev, watermark, accepted, good_count, bad)
-        finally:
-            background.shutdown(wait=True)  # never leave a commit running behind an error
-            self._plan_commit = None
+        # Dedup: within the batch, then against ids seen by earlier batches.
+        accepted = self._dedup(good, plan["versions"].get("seen_ids"))
+        duplicates = good.num_rows - accepted.num_rows
+        del good
+        t.lap("dedup")
 
-    def _finish(self, P: int, t: _Timer, batch: int, txn: Txn, plan: dict[str, Any], w_in: int,
-                max_et_prev: int | None, watermark: datetime | int | str | None, accepted: pa.Table,
-                good_count: int, bad: list[tuple]) -> BatchResult:
-        """The batch after dedup: watermark, windowing, commits, the marker, upkeep."""
-        duplicates = good_count - accepted.num_rows
         # Watermark: the policy's candidate, never moving backwards.
         event_times = accepted.column("event_time")
         max_et = max(([pc.max(event_times).as_py()] if accepted.num_rows else [])
@@ -748,10 +741,9 @@ class MicroBatch:
             # The upkeep step of another table runs beside the marker's commit: it changes no rows a
             # reader of any batch sees (a compaction or a checkpoint; a seen_ids rewrite drops only ids a
             # rerun would not read, as it reads the version its plan pinned), so the order does not matter.
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                upkeep = pool.submit(self._maintain, batch, clock, turn)
-                self._step("batches", lambda: self.tables.append(name, "batches", row, txn=txn))
-                t.lap("commit")
+            upkeep = self._background.submit(self._maintain, batch, clock, turn)
+            self._step("batches", lambda: self.tables.append(name, "batches", row, txn=txn))
+            t.lap("commit")
             upkeep.result()
         t.lap("maintain")
         return BatchResult(self.name, batch, to_datetime(P), to_datetime(w_new), counts, t.phases)
@@ -760,11 +752,11 @@ class MicroBatch:
         """The tables' latest versions for the marker. A table this run committed to is at the version
         of its own snapshot (this run holds the lease: no one else commits); the others were read while
         the commits ran (``probed``) or are asked for now, all at once."""
-        known = {n: self.tables.known_version(self.name, n) for n in names if n in self._written}
-        known |= {n: v for n, v in probed.items() if n not in self._written}
-        asked = _concurrently({n: (lambda n=n: self.tables.version(self.name, n))
-                               for n in names if n not in known or (n in self._written and known[n] is None)})
-        return {n: asked[n] if n in asked else known[n] for n in names}
+        versions = {n: self.tables.known_version(self.name, n) if n in self._written else probed[n]
+                    for n in names if n in self._written or n in probed}
+        unknown = [n for n in names if n not in versions or (n in self._written and versions[n] is None)]
+        versions |= _concurrently({n: (lambda n=n: self.tables.version(self.name, n)) for n in unknown})
+        return {n: versions[n] for n in names}
 
     def _plan_landed(self) -> None:
         """Wait for the plan's commit (raising its error): before anything else commits, and before the
