@@ -142,13 +142,10 @@ class Tables:
         if dt is not None:
             return dt
         uri = self.uri(pipeline, name)
-        config = dict(TABLE_CONFIG)
-        if stats_columns:
-            config["delta.dataSkippingStatsColumns"] = ",".join(stats_columns)
         try:
             dt = DeltaTable.create(
                 uri, schema, mode="ignore", partition_by=list(partition_by) if partition_by else None,
-                storage_options=self.options, name=f"{pipeline}.{name}", configuration=config,
+                storage_options=self.options, name=f"{pipeline}.{name}", configuration=_table_config(stats_columns),
             )
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
@@ -282,12 +279,10 @@ class Tables:
         if dt is None and kept is not None:
             # Nothing to match yet: the first commit writes the inserted rows (one commit, not a create
             # and a MERGE; the table gets the same schema, partitions and settings).
-            config = dict(TABLE_CONFIG)
-            if stats_columns:
-                config["delta.dataSkippingStatsColumns"] = ",".join(stats_columns)
             try:
                 write_deltalake(uri, kept, mode="append", partition_by=list(partition_by) if partition_by else None,
-                                storage_options=self.options, name=f"{pipeline}.{name}", configuration=config,
+                                storage_options=self.options, name=f"{pipeline}.{name}",
+                                configuration=_table_config(stats_columns),
                                 commit_properties=_commit(txn), post_commithook_properties=self._hooks)
             except Exception as exc:  # noqa: BLE001
                 raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
@@ -321,14 +316,16 @@ class Tables:
             return 0 if uri in self._created else None
         return dt.version()
 
+    def _snapshot(self, pipeline: str, name: str) -> DeltaTable | None:
+        """This object's snapshot as of its own last write (no log listing), else the table opened."""
+        dt = self._latest.get(self.uri(pipeline, name))
+        return dt if dt is not None else self.open(pipeline, name)
+
     def compact(self, pipeline: str, name: str, over_files: int) -> bool:
         """Bin-pack a table's files into one once it has more than ``over_files`` (a ``dataChange=false``
         commit: readers and time travel see the same rows). For the small bookkeeping tables a batch
         reads whole, so reading them does not grow with the number of batches."""
-        # This object's snapshot, as of its own last write: no log listing just to count files.
-        dt = self._latest.get(self.uri(pipeline, name))
-        if dt is None:
-            dt = self.open(pipeline, name)
+        dt = self._snapshot(pipeline, name)
         if dt is None or len(dt.file_uris()) <= over_files:
             return False
         dt.update_incremental()
@@ -344,9 +341,7 @@ class Tables:
         them in one commit by one file of the rows matching ``keep`` (SQL). For state that expires
         (dedup ids): the expiry costs nothing beyond the compaction the table needs anyway."""
         uri = self.uri(pipeline, name)
-        dt = self._latest.get(uri)
-        if dt is None:
-            dt = self.open(pipeline, name)
+        dt = self._snapshot(pipeline, name)
         if dt is None or len(dt.file_uris()) <= over_files:
             return False
         rows = self.select(pipeline, name, keep, schema=schema).select(schema.names).cast(schema)
@@ -361,9 +356,7 @@ class Tables:
     def checkpoint(self, pipeline: str, name: str, min_version: int = 0) -> bool:
         """Write a checkpoint at this process's latest snapshot of the table (readers then replay only
         the commits after it); False if the table does not exist or is younger than ``min_version``."""
-        dt = self._latest.get(self.uri(pipeline, name))
-        if dt is None:
-            dt = self.open(pipeline, name)
+        dt = self._snapshot(pipeline, name)
         if dt is None or dt.version() < min_version:
             return False
         try:
@@ -383,6 +376,13 @@ class Tables:
         return True
 
 
+def _table_config(stats_columns: Sequence[str] | None) -> dict[str, str]:
+    config = dict(TABLE_CONFIG)
+    if stats_columns:
+        config["delta.dataSkippingStatsColumns"] = ",".join(stats_columns)
+    return config
+
+
 def _kept(source: pa.Table, delete_when: str | None) -> pa.Table | None:
     """The rows a MERGE into an empty table inserts, when ``delete_when`` is absent or names a boolean
     source column (``s.deleted``); None for any other predicate (the MERGE evaluates it)."""
@@ -392,7 +392,7 @@ def _kept(source: pa.Table, delete_when: str | None) -> pa.Table | None:
     flag = m.group(1) if m else None
     if flag not in source.column_names or not pa.types.is_boolean(source.schema.field(flag).type):
         return None
-    return source.filter(pc.invert(source.column(m.group(1))))  # a null flag is neither deleted nor inserted
+    return source.filter(pc.invert(source.column(flag)))  # a null flag is neither deleted nor inserted
 
 
 def plain_strings(table: pa.Table) -> pa.Table:
