@@ -32,6 +32,15 @@ def test_ranges_run_in_other_processes_and_come_back_in_order() -> None:
         (os.getpid(), 0, 9)]
 
 
+def test_the_caller_is_told_before_a_fork_and_only_then() -> None:
+    """The job waits for its own background threads (the batch's upkeep step) before forking workers."""
+    told: list[int] = []
+    cores.map_ranges(lambda lo, hi: hi, [1] * 9, workers=2, min_range=3, before_fork=lambda: told.append(1))
+    assert told == [1]
+    cores.map_ranges(lambda lo, hi: hi, [1] * 9, workers=2, min_range=10, before_fork=lambda: told.append(2))
+    assert told == [1]  # no fork, no wait
+
+
 def test_a_dead_worker_s_range_runs_in_the_job() -> None:
     def work(lo: int, hi: int) -> tuple[int, int, int]:
         if lo and os.getpid() != parent:

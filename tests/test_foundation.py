@@ -49,6 +49,36 @@ def test_idempotent_commit_is_skipped_on_retry(tables: Tables, pipeline_name: st
     assert tables.read_arrow(pipeline_name, "t").num_rows == 2
 
 
+def test_reads_at_a_version_see_that_version_in_any_order_and_from_any_thread(tables: Tables,
+                                                                               pipeline_name: str) -> None:
+    """A batch reads its state at the versions its plan pinned; the one snapshot kept per table for
+    those reads moves forward and back between versions, and two threads never see each other's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    for v in range(12):
+        tables.append(pipeline_name, "t", pa.table({"k": [f"k{v}"], "v": [v]}))
+        if v == 5:
+            assert tables.checkpoint(pipeline_name, "t")
+
+    def at(version: int) -> list[int]:
+        return sorted(tables.read_arrow(pipeline_name, "t", columns=["v"], version=version).column("v").to_pylist())
+
+    def sql_at(version: int) -> list[int]:
+        return sorted(tables.select(pipeline_name, "t", "v >= 0", columns=["v"], version=version)
+                      .column("v").to_pylist())
+
+    order = [3, 4, 9, 11, 2, 7, 7, 0, 10]  # forward one, forward past a checkpoint, back, the same again
+    assert [at(v) for v in order] == [list(range(v + 1)) for v in order]
+    assert [sql_at(v) for v in order] == [list(range(v + 1)) for v in order]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda v: (at(v), sql_at(v)), order * 6))
+    assert got == [(list(range(v + 1)),) * 2 for v in order * 6]
+    assert tables.read_arrow(pipeline_name, "t").num_rows == 12  # the latest snapshot is untouched
+    with pytest.raises(MillpondError):
+        tables.read_arrow(pipeline_name, "t", version=40)  # a version the table never had
+    assert at(8) == list(range(9))  # and the next read at a version still works
+
+
 def test_spark_reads_delta_table(spark, tables: Tables, pipeline_name: str) -> None:
     tables.append(pipeline_name, "t", pa.table({"k": ["a", "b"], "v": [1, 2]}))
     df = tables.read_spark(spark, pipeline_name, "t")

@@ -65,10 +65,11 @@ def _child(send, lo: int, hi: int) -> None:
 
 
 def map_ranges(work: Callable[[int, int], T], weights: Sequence[int], workers: int | None = None,
-               min_range: int | None = None) -> list[T]:
+               min_range: int | None = None, before_fork: Callable[[], object] | None = None) -> list[T]:
     """``work(lo, hi)`` over contiguous ranges of items (``weights``: the cost of each), results in range
     order: the first range in this process, each other one in a forked child of its own, at the same time.
-    A child's exception is raised here; a child that dies (killed, out of memory) has its range run here."""
+    A child's exception is raised here; a child that dies (killed, out of memory) has its range run here.
+    ``before_fork`` runs only if children are forked (e.g. to wait for the caller's other threads)."""
     global _work
     workers = WORKERS if workers is None else workers
     min_range = MIN_RANGE if min_range is None else min_range
@@ -79,6 +80,8 @@ def map_ranges(work: Callable[[int, int], T], weights: Sequence[int], workers: i
     spans = ranges(weights, parts)
     if len(spans) <= 1:
         return [work(*spans[0])] if spans else []
+    if before_fork is not None:
+        before_fork()
     ctx = multiprocessing.get_context("fork")
     _work = work
     children = []

@@ -19,7 +19,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
@@ -108,6 +108,10 @@ COMPACTED_TABLES = (*BOOKKEEPING_TABLES, "seen_ids")
 COMPACT_OVER_FILES = 8
 #: a table's first commits replay about as fast as a checkpoint reads: its turns start at this version
 CHECKPOINT_FROM_VERSION = 4
+#: upkeep steps that run beside the marker's commit; the others run beside the batch's reads. The
+#: seen_ids rewrite expires dedup ids, so it must have landed before the next plan pins seen_ids'
+#: version, or what that batch counts as duplicate or late would depend on timing.
+MARKER_UPKEEP = (("compact", "seen_ids"),)
 #: the current view's partitions: a batch's MERGE rewrites the hours it touches
 CURRENT_PARTITIONS = ("window_end_day", "window_end_hour")
 #: above this many (day, hour) partitions in one batch, its MERGE filter names whole days
@@ -442,10 +446,11 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _run_local(spec_json: str, clock: BatchClock, events: pa.Table, state: pa.Table, sink: _Assembly) -> None:
+def _run_local(spec_json: str, clock: BatchClock, events: pa.Table, state: pa.Table, sink: _Assembly,
+               before_fork: Callable[[], object] | None = None) -> None:
     """The per-key step in the job's process, chunk by chunk; a large chunk's keys are spread over the
-    machine's cores (``cores.map_ranges``), each range made into objects and assembled where it runs,
-    then concatenated in key order."""
+    machine's cores (``cores.map_ranges``, which calls ``before_fork`` first), each range made into
+    objects and assembled where it runs, then concatenated in key order."""
     layout = _KeyLayout.of(events, state)
     with _gc_paused():
         for lo, hi in layout.chunks():
@@ -458,7 +463,7 @@ def _run_local(spec_json: str, clock: BatchClock, events: pa.Table, state: pa.Ta
                 out.add(rows)
                 return out
 
-            for piece in cores.map_ranges(part, layout.weights(lo, hi).tolist()):
+            for piece in cores.map_ranges(part, layout.weights(lo, hi).tolist(), before_fork=before_fork):
                 sink.absorb(piece)
 
 
@@ -528,10 +533,12 @@ class MicroBatch:
         self._deferred: list[tuple[str, str, Callable[[], Any]]] | None = None
         #: tables this run has committed to (their snapshots are current: see ``_versions``)
         self._written: set[str] = set()
-        #: the plan's commit, running while the planned files are read (see ``_plan_landed``)
+        #: the plan's commit and the batch's upkeep step, running while the planned files are read
+        #: (see ``_plan_landed``)
         self._plan_commit: Future | None = None
-        #: one thread beside the batch (the plan's commit, the upkeep step); joined before the lease goes
-        self._background = ThreadPoolExecutor(max_workers=1)
+        self._upkeep: Future | None = None
+        #: threads beside the batch (the plan's commit, the upkeep step); joined before the lease goes
+        self._background = ThreadPoolExecutor(max_workers=2)
         self.settings = settings
         self.validate = validate
         self.quality = None
@@ -584,12 +591,12 @@ class MicroBatch:
     # the run -----------------------------------------------------------------------------------
     def run(self, processing_time: datetime | int | str, watermark: datetime | int | str | None = None) -> BatchResult:
         self.lease = Lease.acquire(self.settings, self.name)
-        self._background = ThreadPoolExecutor(max_workers=1)
+        self._background = ThreadPoolExecutor(max_workers=2)
         try:
             return self._run(processing_time, watermark)
         finally:
             self._background.shutdown(wait=True)  # no commit left running behind an error or the lease
-            self._plan_commit = None
+            self._plan_commit = self._upkeep = None
             self.lease.release()
 
     def _step(self, name: str, write: Callable[[], Any], table: str | None = None) -> None:
@@ -675,6 +682,13 @@ class MicroBatch:
                 pa.array([json.dumps(versions, sort_keys=True)])], schema=PLAN_SCHEMA)
             self._plan_commit = self._background.submit(self._commit_now, "ingest_log", lambda: self.tables.append(
                 self.name, "ingest_log", log_row, txn=txn), "ingest_log")
+        # Table upkeep (one step a batch) runs while the batch reads and computes; the batch's own
+        # commits wait for it (``_upkeep_landed``), and a step on ingest_log waits for the plan's commit.
+        turns = self.upkeep_turns()
+        turn = turns[batch % len(turns)]
+        if turn not in MARKER_UPKEEP:
+            first = self._plan_commit if turn[1] == "ingest_log" else None
+            self._upkeep = self._background.submit(self._maintain, batch, turn, w_in, first)
         t.lap("plan")
 
         # Ingest: read and parse the planned files (in parallel), quarantine bad rows.
@@ -719,6 +733,7 @@ class MicroBatch:
                 {"id": accepted.column("id"), "event_time": event_times.cast(TS),
                  "batch": pa.array(np.full(accepted.num_rows, batch, np.int64))}, schema=SEEN_SCHEMA), txn=txn))
         self._plan_landed()
+        self._upkeep_landed()
         probed = self._flush(self.output_tables)
         t.lap("commit")
         counts = {"files": len(plan["files"]), "input": accepted.num_rows + duplicates + len(bad),
@@ -731,20 +746,16 @@ class MicroBatch:
         arrays = [(_ts([marker[f.name]]) if f.type == TS else pa.array([marker[f.name]], f.type))
                   for f in BATCHES_SCHEMA]
         row = pa.Table.from_arrays(arrays, schema=BATCHES_SCHEMA)
-        turns = self.upkeep_turns()
-        turn = turns[batch % len(turns)]
-        if turn[1] == "batches":
-            self._step("batches", lambda: self.tables.append(name, "batches", row, txn=txn))
-            t.lap("commit")
-            self._maintain(batch, clock, turn)
-        else:
-            # The upkeep step of another table runs beside the marker's commit: it changes no rows a
-            # reader of any batch sees (a compaction or a checkpoint; a seen_ids rewrite drops only ids a
-            # rerun would not read, as it reads the version its plan pinned), so the order does not matter.
-            upkeep = self._background.submit(self._maintain, batch, clock, turn)
+        if turn in MARKER_UPKEEP:
+            # It changes no rows a reader of any batch sees (a seen_ids rewrite drops only ids a rerun
+            # would not read, as it reads the version its plan pinned), so it runs beside the marker.
+            upkeep = self._background.submit(self._maintain, batch, turn, clock.watermark)
             self._step("batches", lambda: self.tables.append(name, "batches", row, txn=txn))
             t.lap("commit")
             upkeep.result()
+        else:
+            self._step("batches", lambda: self.tables.append(name, "batches", row, txn=txn))
+            t.lap("commit")
         t.lap("maintain")
         return BatchResult(self.name, batch, to_datetime(P), to_datetime(w_new), counts, t.phases)
 
@@ -765,6 +776,12 @@ class MicroBatch:
             future, self._plan_commit = self._plan_commit, None
             future.result()
 
+    def _upkeep_landed(self) -> None:
+        """Wait for the upkeep step: before the batch's commits, and before the per-key step forks."""
+        if self._upkeep is not None:
+            future, self._upkeep = self._upkeep, None
+            future.result()
+
     def upkeep_turns(self) -> list[tuple[str, str]]:
         """The cycle of upkeep steps, one per batch: compact each of COMPACTED_TABLES (if it has more
         than COMPACT_OVER_FILES files), checkpoint each table. One cycle bounds both what a batch pays
@@ -774,19 +791,23 @@ class MicroBatch:
         tables = sorted(set(self.output_tables) | set(self.state_tables) | set(BOOKKEEPING_TABLES))
         return [("compact", t) for t in COMPACTED_TABLES] + [("checkpoint", t) for t in tables]
 
-    def _maintain(self, batch: int, clock: BatchClock, turn: tuple[str, str]) -> None:
-        """Table upkeep with the marker, one step of ``upkeep_turns`` per batch, so that no batch pays
-        for every table at once (with delta-rs's own every-10-commits checkpoints, every table wrote one
-        in the same batch, every 10th batch). Dedup ids expire when ``seen_ids`` is compacted: its
-        rewrite keeps only the ids within the dedup horizon. Best-effort: a failed step waits for its
-        next turn."""
+    def _maintain(self, batch: int, turn: tuple[str, str], watermark: int, first: Future | None = None) -> None:
+        """Table upkeep, one step of ``upkeep_turns`` per batch, so that no batch pays for every table
+        at once (with delta-rs's own every-10-commits checkpoints, every table wrote one in the same
+        batch, every 10th batch). It changes no rows a reader sees, so it runs beside the batch: while
+        the files are read, or (``MARKER_UPKEEP``) beside the marker's commit. Dedup ids expire when
+        ``seen_ids`` is compacted: its rewrite keeps only the ids within the dedup horizon of
+        ``watermark``. Best-effort: a failed step waits for its next turn. ``first``: a commit to the
+        same table that must land before (one writer per table at a time)."""
+        if first is not None:
+            wait([first])
         name = self.name
         op, table = turn
         horizon = self.dedup_horizon()
         try:
             if op == "compact":
-                if table == "seen_ids" and horizon is not None and clock.watermark - horizon > 0:
-                    cutoff = sql_ts(clock.watermark - horizon)
+                if table == "seen_ids" and horizon is not None and watermark - horizon > 0:
+                    cutoff = sql_ts(watermark - horizon)
                     done = self.tables.rewrite(name, table, f"event_time >= {cutoff}", over_files=COMPACT_OVER_FILES,
                                                schema=SEEN_SCHEMA, sort_by="event_time")
                 else:
@@ -796,7 +817,7 @@ class MicroBatch:
             # (a compaction turn with nothing to compact checkpoints; a log of a few commits needs none)
             self.tables.checkpoint(name, table, min_version=CHECKPOINT_FROM_VERSION)
         except MillpondError as exc:
-            logger.warning("%s: table maintenance skipped after batch %d: %s", name, batch, exc)
+            logger.warning("%s: table upkeep skipped in batch %d: %s", name, batch, exc)
 
     # the windowing step ------------------------------------------------------------------------
     output_tables: tuple[str, ...] = OUTPUT_TABLES
@@ -816,7 +837,7 @@ class MicroBatch:
         if self.spark is not None and accepted.num_rows >= LOCAL_THRESHOLD:
             _run_spark(self.spark, spec_json, clock, accepted, state, self.spec.value_type, out)
         else:
-            _run_local(spec_json, clock, accepted, state, out)
+            _run_local(spec_json, clock, accepted, state, out, before_fork=self._upkeep_landed)
         out.finish()
         t.lap("windowing")
         counts = self._commit(batch, txn, clock, out, accepted, t)

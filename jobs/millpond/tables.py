@@ -10,9 +10,11 @@ never applies the same commit twice (MillWheel's exactly-once, on the Delta log)
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -89,6 +91,18 @@ def _wrap(exc: Exception, uri: str, endpoint: str | None = None) -> MillpondErro
 _SNAPSHOTS: dict[tuple[str, str], dict[str, DeltaTable]] = {}
 
 
+@dataclass
+class _Pinned:
+    """One table's snapshot for reads at a numbered version, and the lock its reader holds."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    dt: DeltaTable | None = None
+
+
+_PINNED: dict[tuple[str, str], dict[str, _Pinned]] = {}
+_PINNED_LOCK = threading.Lock()
+
+
 class Tables:
     """Delta tables of the lake, addressed by pipeline and name."""
 
@@ -103,6 +117,9 @@ class Tables:
         # runs many batches (`millpond run`, replay, the bench) would otherwise read each table's
         # checkpoint and log again per batch.
         self._latest = _SNAPSHOTS.setdefault((settings.s3_endpoint, settings.s3_access_key), {})
+        # Snapshots for reads at a numbered version (a batch reads its state at the versions its plan
+        # pinned), kept apart from the latest ones, which this process's commits move.
+        self._pinned = _PINNED.setdefault((settings.s3_endpoint, settings.s3_access_key), {})
         #: tables this object created by writing their first rows (version 0, not opened since)
         self._created: set[str] = set()
 
@@ -128,6 +145,29 @@ class Tables:
         if version is None:
             self._latest[uri] = dt
         return dt
+
+    @contextlib.contextmanager
+    def _at(self, pipeline: str, name: str, version: int | str | None) -> Iterator[DeltaTable | None]:
+        """The table at ``version`` while the block reads it. A numbered version never changes, so one
+        snapshot per table serves them all, moved to each version asked for: delta-rs then reads only
+        the commits in between, where opening the table anew reads its checkpoint and every commit
+        since (a cost that grows until the next checkpoint). The lock holds it still during the read."""
+        if not isinstance(version, int):
+            yield self.open(pipeline, name, version)
+            return
+        uri = self.uri(pipeline, name)
+        with _PINNED_LOCK:
+            pinned = self._pinned.setdefault(uri, _Pinned())
+        with pinned.lock:
+            if pinned.dt is None:
+                pinned.dt = self.open(pipeline, name, version)
+            elif pinned.dt.version() != version:
+                try:
+                    pinned.dt.load_as_version(version)
+                except Exception as exc:  # noqa: BLE001
+                    pinned.dt = None
+                    raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+            yield pinned.dt
 
     def exists(self, pipeline: str, name: str) -> bool:
         return self.open(pipeline, name) is not None
@@ -164,15 +204,15 @@ class Tables:
         schema: pa.Schema | None = None,
     ) -> pa.Table:
         """Rows as Arrow; an absent table reads as empty with ``schema`` when given."""
-        dt = self.open(pipeline, name, version)
-        if dt is None:
-            if schema is None:
-                raise MillpondError(f"table {pipeline}.{name} does not exist yet")
-            return schema.empty_table()
-        try:
-            return dt.to_pyarrow_dataset().to_table(filter=filters, columns=columns)
-        except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
+        with self._at(pipeline, name, version) as dt:
+            if dt is None:
+                if schema is None:
+                    raise MillpondError(f"table {pipeline}.{name} does not exist yet")
+                return schema.empty_table()
+            try:
+                return dt.to_pyarrow_dataset().to_table(filter=filters, columns=columns)
+            except Exception as exc:  # noqa: BLE001
+                raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
 
     def select(
         self,
@@ -189,18 +229,18 @@ class Tables:
         Preferred over pyarrow filters: files written by MERGE hold ``string_view`` columns, which
         pyarrow's statistics pruning cannot compare with plain strings.
         """
-        dt = self.open(pipeline, name, version)
-        if dt is None:
-            if schema is None:
-                raise MillpondError(f"table {pipeline}.{name} does not exist yet")
-            return schema.empty_table() if columns is None else schema.empty_table().select(columns)
         cols = ", ".join(f'"{c}"' for c in columns) if columns else "*"
         sql = f"SELECT {cols} FROM t" + (f" WHERE {where}" if where else "")
-        try:
-            reader = QueryBuilder().register("t", dt).execute(sql)
-            table = pa.RecordBatchReader.from_stream(reader).read_all()
-        except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
+        with self._at(pipeline, name, version) as dt:
+            if dt is None:
+                if schema is None:
+                    raise MillpondError(f"table {pipeline}.{name} does not exist yet")
+                return schema.empty_table() if columns is None else schema.empty_table().select(columns)
+            try:
+                reader = QueryBuilder().register("t", dt).execute(sql)
+                table = pa.RecordBatchReader.from_stream(reader).read_all()
+            except Exception as exc:  # noqa: BLE001
+                raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
         return plain_strings(table)
 
     def read_spark(self, spark, pipeline: str, name: str, **kwargs):
