@@ -92,3 +92,22 @@ def test_unknown_custom_class_is_a_clear_error() -> None:
         pipeline_from_dict({"name": "x", "window": {"type": "custom", "class": "test_custom_strategies:DistinctCount"}})
     with pytest.raises(ValueError, match="unknown aggregation"):
         pipeline_from_dict({"name": "x", "aggregation": "median"})
+
+
+def test_a_window_s_elements_added_together_equal_one_by_one() -> None:
+    """The engine hands a window its batch's elements at once (``add_all``): every builtin combiner and a
+    user combiner without an override give what ``add`` gives element by element, onto an accumulator
+    that already holds earlier batches, float rounding included (a regrouped float sum differs)."""
+    from millpond.aggregations import BUILTIN
+
+    floats = [1.0, 1.0, -1e16, 0.1, 0.3]  # onto 1e16: 1.0 is below its rounding step, 2.0 is not
+    ints = [5, -3, 12, 0, 7]
+    for name, cls in [*BUILTIN.items(), ("distinct", DistinctCount)]:
+        comb = cls()
+        for first, values in ((1e16, floats), (4, ints), (4, [])):
+            start = comb.add(comb.create(), first)
+            one_by_one = start
+            for v in values:
+                one_by_one = comb.add(one_by_one, v)
+            assert comb.add_all(start, list(values)) == one_by_one, (name, values)
+    assert BUILTIN["sum"]().add_all(1e16, floats) == 0.4

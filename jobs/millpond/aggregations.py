@@ -8,6 +8,8 @@ named in the pipeline config as ``aggregation: "my_module:MyCombiner"``.
 from __future__ import annotations
 
 import importlib
+import operator
+from functools import reduce
 from typing import Any
 
 
@@ -24,6 +26,14 @@ class Combiner:
 
     def add(self, acc: Any, value: Any) -> Any:
         raise NotImplementedError
+
+    def add_all(self, acc: Any, values: list[Any]) -> Any:
+        """``add`` of each value in order (a batch hands a window its elements together); override
+        only with the same result, order included (float sums round differently when regrouped)."""
+        add = self.add
+        for v in values:
+            acc = add(acc, v)
+        return acc
 
     def merge(self, accs: list[Any]) -> Any:
         raise NotImplementedError
@@ -44,6 +54,9 @@ class Sum(Combiner):
     def add(self, acc: Any, value: Any) -> Any:
         return acc + value
 
+    def add_all(self, acc: Any, values: list[Any]) -> Any:
+        return reduce(operator.add, values, acc)  # left to right, as ``add`` one by one
+
     def merge(self, accs: list[Any]) -> Any:
         return sum(accs, 0)
 
@@ -59,6 +72,9 @@ class Count(Sum):
 
     def add(self, acc: Any, value: Any) -> Any:
         return acc + 1
+
+    def add_all(self, acc: Any, values: list[Any]) -> Any:
+        return acc + len(values)
 
 
 class Min(Combiner):

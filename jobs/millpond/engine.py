@@ -118,9 +118,11 @@ def process_key(
     assigned: list[tuple[Element, Window]] = []
     closed_windows = [w for w, ws in live.items() if ws.closed]
     assign, lateness, input_watermark = wfn.assign, strategy.allowed_lateness, clock.input_watermark
+    # gc_time(w) <= input watermark, inlined (it runs once per element and window)
+    forever, late_end = MAX_TS - lateness, input_watermark - lateness
     for el in sorted(elements, key=_ARRIVAL_ORDER):
         for w in assign(el.event_time):
-            if gc_time(w, lateness) <= input_watermark:
+            if (w[1] <= late_end) if w[1] < forever else (MAX_TS <= input_watermark):
                 result.late.append((el, "beyond allowed lateness"))
                 continue
             if not closed_windows:
@@ -169,26 +171,29 @@ def process_key(
                 result.deletes.append(s.window)
             live[merged] = new
             touched.add(merged)
-        assigned = [(el, target[w]) for el, w in assigned]
+    else:
+        target = None
 
-    # 3. Add elements to accumulators, then to triggers once per window (first element's processing time).
-    first_ptime: dict[Window, int] = {}
-    counts: dict[Window, int] = {}
-    add, ptime, watermark = comb.add, clock.processing_time, clock.watermark
+    # 3. Each window's elements, in arrival order (windows in the order their first element came).
+    by_window: dict[Window, list[Element]] = {}
     for el, w in assigned:
+        if target is not None:
+            w = target[w]
+        got = by_window.get(w)
+        if got is None:
+            by_window[w] = [el]
+        else:
+            got.append(el)
+    # Add them to the accumulator, then to the trigger once (the first element's processing time).
+    ptime, watermark = clock.processing_time, clock.watermark
+    for w, els in by_window.items():
         ws = live.get(w)
         if ws is None:
             ws = live[w] = WindowState(window=w, acc=comb.create())
-        ws.acc = add(ws.acc, el.value)
-        ws.unfired += 1
-        if w in counts:
-            counts[w] += 1
-        else:
-            first_ptime[w] = min(el.arrival_time, ptime)
-            counts[w] = 1
-    for w, n in counts.items():
-        ctx = TriggerContext(w, watermark, ptime, live[w].trigger)
-        trig.on_element(ctx, "0", first_ptime[w], n)
+        ws.acc = comb.add_all(ws.acc, [el.value for el in els])
+        ws.unfired += len(els)
+        ctx = TriggerContext(w, watermark, ptime, ws.trigger)
+        trig.on_element(ctx, "0", min(els[0].arrival_time, ptime), len(els))
         touched.add(w)
 
     # 4. Fire what is due, once per window; garbage-collect what can no longer fire.
