@@ -113,9 +113,10 @@ class Plan:
     over_time_keys: int = 2_000
     #: the 50-batch sequence is run this many times (fresh pipelines); per batch index the median counts
     over_time_repeats: int = 5
-    #: our side of `sessions_100k_vs_beam` runs this many times before Beam and again after (fresh
-    #: pipelines); the median counts
-    beam_repeats: int = 3
+    #: `sessions_100k_vs_beam`: Beam runs `beam_runs` times; our side runs `beam_repeats` times (fresh
+    #: pipelines) before the first, between them and after the last. Our median against Beam's mean.
+    beam_runs: int = 2
+    beam_repeats: int = 2
     tiny_events: int = 1_000
     tiny_runs: int = 7
     validation_events: int = 100_000
@@ -127,7 +128,7 @@ class Plan:
 PLANS = {
     "quick": Plan("quick", session_sizes=(10_000, 50_000), fixed_sizes=(50_000,), spark_path_events=10_000,
                   stream_events=10_000, stream_batches=4, over_time_batches=12, over_time_events=500,
-                  over_time_keys=500, over_time_repeats=1, beam_repeats=1, tiny_runs=4,
+                  over_time_keys=500, over_time_repeats=1, beam_runs=1, beam_repeats=1, tiny_runs=4,
                   validation_events=10_000),
     "default": Plan("default"),
     "full": Plan("full", session_sizes=(10_000, 100_000, 1_000_000, 10_000_000)),
@@ -545,35 +546,43 @@ class Bench:
             return
         wl = self.workload(n, self.plan.keys(n), batches=1, seed=13, late_fraction=0.0)
         self.log(f"Beam: {wl.input_events} events in one micro-batch (+ flush), sessions")
-        # One ~1 s sample moves by a quarter on this shared box, while Beam's ~25 s run averages over its
-        # span: ours runs `beam_repeats` times before Beam and as many times after, and the median counts.
+        # The box's speed drifts by a quarter within minutes. A ~1 s sample of ours catches the drift,
+        # a ~25 s run of Beam averages over it: both sides are sampled over the same span, ours before,
+        # between and after Beam's runs; our median counts against Beam's mean.
         def ours_runs() -> list[dict[str, Any]]:
             return [self.run_ours(self.pipeline("sessions", wl), wl, "default", flush=True)
                     for _ in range(max(1, self.plan.beam_repeats))]
 
-        before = ours_runs()
-        try:
-            beam = self.beam(wl)
-        except Exception as exc:  # noqa: BLE001 - a peer failing must not lose our figures
-            beam = None
-            self.notes.append(f"Beam peer (one batch) failed: {exc}")
-            self.log(f"  Beam failed: {exc}")
-        runs = before + (ours_runs() if beam is not None else [])
+        runs = ours_runs()
+        beams: list[dict[str, Any]] = []
+        for _ in range(max(1, self.plan.beam_runs)):
+            try:
+                beams.append(self.beam(wl))
+            except Exception as exc:  # noqa: BLE001 - a peer failing must not lose our figures
+                self.notes.append(f"Beam peer (one batch) failed: {exc}")
+                self.log(f"  Beam failed: {exc}")
+                break
+            self.log(f"  Beam {beams[-1]['seconds']:.1f}s")
+            runs += ours_runs()
         ours = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]  # of an even count, the slower middle
         self.log(f"  ours {ours['seconds']}s on {ours['path_ran']} (runs {[r['seconds'] for r in runs]}, "
-                 f"{len(before)} before Beam)")
+                 f"{self.plan.beam_repeats} before, between and after Beam's runs)")
         out: dict[str, Any] = {"events": wl.input_events, "batches": 1, "ours": ours,
                                "ours_runs_seconds": [r["seconds"] for r in runs]}
-        if beam is not None:
-            self.log(f"  Beam {beam['seconds']:.1f}s")
+        if beams:
+            beam_seconds = statistics.mean(b["seconds"] for b in beams)
+            beam = {**beams[-1], "seconds": round(beam_seconds, 3),
+                    "events_per_s": round(beams[-1]["events"] / beam_seconds, 1),
+                    "runs_seconds": [round(b["seconds"], 3) for b in beams]}
             out["beam"] = beam
             self.record("sessions_100k_vs_beam", ours["events_per_s"], beam["events_per_s"],
                         "Beam 2.77 Python BundleBasedDirectRunner, TestStream: the batch as one bundle, then "
                         "watermark +inf; accumulating", "events/s", False, path=ours["path_ran"],
                         events=wl.input_events, batches=1, ours_seconds=ours["seconds"],
-                        ours_runs_seconds=out["ours_runs_seconds"], peer_seconds=round(beam["seconds"], 3),
-                        notes=f"ours: the median of {len(runs)} runs (fresh pipelines), half before Beam's run "
-                              "and half after; "
+                        ours_runs_seconds=out["ours_runs_seconds"], peer_seconds=beam["seconds"],
+                        peer_runs_seconds=beam["runs_seconds"],
+                        notes=f"ours: the median of {len(runs)} runs (fresh pipelines), before, between and "
+                              f"after Beam's {len(beams)} runs; Beam: their mean; "
                               "one micro-batch of 100k events over 10k keys plus a flush batch, as "
                               "sessions_1m_vs_spark at 100k; workload without the late tail (Beam stalls on it: "
                               "known bug); Beam does not dedup by id. The 10-batch stream is "

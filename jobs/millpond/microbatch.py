@@ -108,10 +108,6 @@ COMPACTED_TABLES = (*BOOKKEEPING_TABLES, "seen_ids")
 COMPACT_OVER_FILES = 8
 #: a table's first commits replay about as fast as a checkpoint reads: its turns start at this version
 CHECKPOINT_FROM_VERSION = 4
-#: upkeep steps that run beside the marker's commit; the others run beside the batch's reads. The
-#: seen_ids rewrite expires dedup ids, so it must have landed before the next plan pins seen_ids'
-#: version, or what that batch counts as duplicate or late would depend on timing.
-MARKER_UPKEEP = (("compact", "seen_ids"),)
 #: the current view's partitions: a batch's MERGE rewrites the hours it touches
 CURRENT_PARTITIONS = ("window_end_day", "window_end_hour")
 #: above this many (day, hour) partitions in one batch, its MERGE filter names whole days
@@ -682,13 +678,13 @@ class MicroBatch:
                 pa.array([json.dumps(versions, sort_keys=True)])], schema=PLAN_SCHEMA)
             self._plan_commit = self._background.submit(self._commit_now, "ingest_log", lambda: self.tables.append(
                 self.name, "ingest_log", log_row, txn=txn), "ingest_log")
-        # Table upkeep (one step a batch) runs while the batch reads and computes; the batch's own
-        # commits wait for it (``_upkeep_landed``), and a step on ingest_log waits for the plan's commit.
+        # Table upkeep (one step a batch) runs while the batch reads and computes, after the plan has
+        # pinned its versions; the batch's own commits wait for it (``_upkeep_landed``), and a step on
+        # ingest_log waits for the plan's commit.
         turns = self.upkeep_turns()
         turn = turns[batch % len(turns)]
-        if turn not in MARKER_UPKEEP:
-            first = self._plan_commit if turn[1] == "ingest_log" else None
-            self._upkeep = self._background.submit(self._maintain, batch, turn, w_in, first)
+        first = self._plan_commit if turn[1] == "ingest_log" else None
+        self._upkeep = self._background.submit(self._maintain, batch, turn, w_in, first)
         t.lap("plan")
 
         # Ingest: read and parse the planned files (in parallel), quarantine bad rows.
@@ -733,7 +729,9 @@ class MicroBatch:
                 {"id": accepted.column("id"), "event_time": event_times.cast(TS),
                  "batch": pa.array(np.full(accepted.num_rows, batch, np.int64))}, schema=SEEN_SCHEMA), txn=txn))
         self._plan_landed()
+        t.lap("commit")
         self._upkeep_landed()
+        t.lap("maintain")  # what the batch waited for its upkeep step
         probed = self._flush(self.output_tables)
         t.lap("commit")
         counts = {"files": len(plan["files"]), "input": accepted.num_rows + duplicates + len(bad),
@@ -746,17 +744,8 @@ class MicroBatch:
         arrays = [(_ts([marker[f.name]]) if f.type == TS else pa.array([marker[f.name]], f.type))
                   for f in BATCHES_SCHEMA]
         row = pa.Table.from_arrays(arrays, schema=BATCHES_SCHEMA)
-        if turn in MARKER_UPKEEP:
-            # It changes no rows a reader of any batch sees (a seen_ids rewrite drops only ids a rerun
-            # would not read, as it reads the version its plan pinned), so it runs beside the marker.
-            upkeep = self._background.submit(self._maintain, batch, turn, clock.watermark)
-            self._step("batches", lambda: self.tables.append(name, "batches", row, txn=txn))
-            t.lap("commit")
-            upkeep.result()
-        else:
-            self._step("batches", lambda: self.tables.append(name, "batches", row, txn=txn))
-            t.lap("commit")
-        t.lap("maintain")
+        self._step("batches", lambda: self.tables.append(name, "batches", row, txn=txn))
+        t.lap("commit")
         return BatchResult(self.name, batch, to_datetime(P), to_datetime(w_new), counts, t.phases)
 
     def _versions(self, names: Sequence[str], probed: dict[str, int | None]) -> dict[str, int | None]:
@@ -794,11 +783,13 @@ class MicroBatch:
     def _maintain(self, batch: int, turn: tuple[str, str], watermark: int, first: Future | None = None) -> None:
         """Table upkeep, one step of ``upkeep_turns`` per batch, so that no batch pays for every table
         at once (with delta-rs's own every-10-commits checkpoints, every table wrote one in the same
-        batch, every 10th batch). It changes no rows a reader sees, so it runs beside the batch: while
-        the files are read, or (``MARKER_UPKEEP``) beside the marker's commit. Dedup ids expire when
-        ``seen_ids`` is compacted: its rewrite keeps only the ids within the dedup horizon of
-        ``watermark``. Best-effort: a failed step waits for its next turn. ``first``: a commit to the
-        same table that must land before (one writer per table at a time)."""
+        batch, every 10th batch). It changes no rows a reader sees, so it runs beside the batch, which
+        has pinned the versions it reads. Dedup ids expire when ``seen_ids`` is compacted: its rewrite
+        keeps only the ids within the dedup horizon of ``watermark`` (the batch's input watermark: what
+        the rerun of a crashed batch would find is the version its plan pinned; the next batch, whose
+        plan comes after this batch's commits, finds the rewrite). Best-effort: a failed step waits for
+        its next turn. ``first``: a commit to the same table that must land before (one writer per
+        table at a time)."""
         if first is not None:
             wait([first])
         name = self.name
