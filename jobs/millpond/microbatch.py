@@ -529,8 +529,8 @@ class MicroBatch:
         self._deferred: list[tuple[str, str, Callable[[], Any]]] | None = None
         #: tables this run has committed to (their snapshots are current: see ``_versions``)
         self._written: set[str] = set()
-        #: the plan's commit and the batch's upkeep step, running beside the batch (see ``_plan_landed``
-        #: and ``_upkeep_landed``)
+        #: the plan's commit and the batch's upkeep step, running while the planned files are read
+        #: (see ``_plan_landed``)
         self._plan_commit: Future | None = None
         self._upkeep: Future | None = None
         #: threads beside the batch (the plan's commit, the upkeep step); joined before the lease goes
@@ -680,8 +680,7 @@ class MicroBatch:
                 self.name, "ingest_log", log_row, txn=txn), "ingest_log")
         # Table upkeep (one step a batch) runs while the batch reads and computes, after the plan has
         # pinned its versions; the batch's own commits wait for it (``_upkeep_landed``), and a step on
-        # ingest_log waits for the plan's commit. (A compaction's table is not used again by the batch
-        # before its commits; a checkpoint opens its table anew, see ``Tables.checkpoint``.)
+        # ingest_log waits for the plan's commit.
         turns = self.upkeep_turns()
         turn = turns[batch % len(turns)]
         first = self._plan_commit if turn[1] == "ingest_log" else None

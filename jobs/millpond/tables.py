@@ -394,18 +394,10 @@ class Tables:
         return True
 
     def checkpoint(self, pipeline: str, name: str, min_version: int = 0) -> bool:
-        """Write a checkpoint at the table's latest version (readers then replay only the commits after
-        it); False if the table does not exist or is younger than ``min_version``. The table is opened
-        in an object of its own: a checkpoint may run beside a batch that reads the same table through
-        this process's shared snapshot."""
-        uri = self.uri(pipeline, name)
-        try:
-            dt = DeltaTable(uri, storage_options=self.options)
-        except TableNotFoundError:
-            return False
-        except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
-        if dt.version() < min_version:
+        """Write a checkpoint at this process's latest snapshot of the table (readers then replay only
+        the commits after it); False if the table does not exist or is younger than ``min_version``."""
+        dt = self._snapshot(pipeline, name)
+        if dt is None or dt.version() < min_version:
             return False
         try:
             dt.create_checkpoint()
