@@ -395,7 +395,9 @@ class Tables:
 
     def checkpoint(self, pipeline: str, name: str, min_version: int = 0) -> bool:
         """Write a checkpoint at this process's latest snapshot of the table (readers then replay only
-        the commits after it); False if the table does not exist or is younger than ``min_version``."""
+        the commits after it); False if the table does not exist or is younger than ``min_version``.
+        It may run beside a reader of the same snapshot: delta-rs serializes the calls on one
+        DeltaTable (an internal mutex, delta-rs #3101), and a checkpoint does not move its version."""
         dt = self._snapshot(pipeline, name)
         if dt is None or dt.version() < min_version:
             return False
