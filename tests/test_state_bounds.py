@@ -7,7 +7,7 @@ import json
 from datetime import UTC, datetime, timedelta
 
 from millpond.ingest import arrival_tag
-from millpond.microbatch import COMPACT_OVER_FILES, COMPACTED_TABLES, MicroBatch, run_batch
+from millpond.microbatch import COMPACT_OVER_FILES, MicroBatch, run_batch
 from millpond.objectstore import ObjectStore
 from millpond.pipeline import pipeline_from_dict
 from millpond.timeutil import to_us
@@ -62,16 +62,17 @@ def test_upkeep_is_spread_over_batches(settings, tables, pipeline_name) -> None:
         return {o.key for o in store.list(settings.bucket_lake, lake_prefix) if o.key.endswith(".checkpoint.parquet")}
 
     seen: set[str] = set()
-    batches = 2 * COMPACT_OVER_FILES
+    batches, panes = 2 * COMPACT_OVER_FILES + 4, []  # past a whole cycle once the tables are old enough
     for b in range(batches):
         land(settings, pipeline_name, minute(5 * b + 1), [(f"e{b}", "k", 1, 5 * b + 1)])
-        run_batch(settings, spec, minute(5 * b + 5))
+        done = run_batch(settings, spec, minute(5 * b + 5))
+        panes += [done.batch] * done.counts["panes"]
         now = checkpoints()
         assert len(now - seen) <= 1, f"batch {b + 1} wrote checkpoints of several tables: {sorted(now - seen)}"
         seen = now
     assert len({k.rsplit("/", 2)[0] for k in seen}) >= 5  # the tables took turns (young ones wait)
     cycle = len(MicroBatch(settings, spec).upkeep_turns())
-    for name in COMPACTED_TABLES:
+    for name in ("batches", "ingest_log", "seen_ids", "panes"):  # each gets a file from every batch
         files = tables.open(pipeline_name, name).file_uris()
         assert len(files) <= cycle, f"{name}: {len(files)} files after {batches} batches"
     # Every table written by every batch has a recent checkpoint: opening it replays a bounded log tail.
@@ -79,6 +80,9 @@ def test_upkeep_is_spread_over_batches(settings, tables, pipeline_name) -> None:
         last = max(int(k.rsplit("/", 1)[1].split(".")[0]) for k in seen if k.rsplit("/", 3)[1] == name)
         assert tables.version(pipeline_name, name) - last <= cycle + 1, (name, last)
     assert tables.read_arrow(pipeline_name, "batches").num_rows == batches
+    # Compaction (panes gets a file from every batch) keeps every row.
+    assert len(set(panes)) >= batches - 1
+    assert sorted(tables.read_arrow(pipeline_name, "panes").column("batch").to_pylist()) == panes
 
 
 def test_custom_merging_window_reads_every_window_of_a_touched_key(settings, tables, pipeline_name) -> None:

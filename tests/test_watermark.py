@@ -9,9 +9,10 @@ from datetime import UTC, datetime, timedelta
 import pyarrow as pa
 from deltalake import DeltaTable
 from millpond.ingest import arrival_tag
-from millpond.microbatch import COMPACT_OVER_FILES, MicroBatch, run_batch
+from millpond.microbatch import SEEN_FOLD_OVER_FILES, run_batch
 from millpond.objectstore import ObjectStore
 from millpond.pipeline import pipeline_from_dict
+from millpond.tables import Tables
 from millpond.timeutil import US, to_us
 from millpond.watermark import WatermarkPolicy, advance
 
@@ -62,26 +63,36 @@ def test_injector_watermark_held_by_unfinished_file(settings, tables, pipeline_n
     assert second.counts["accepted"] == 1 and second.counts["late"] == 0
 
 
-def test_dedup_state_is_bounded_and_old_redelivery_is_counted_late(settings, tables, pipeline_name) -> None:
+def test_dedup_state_is_bounded_and_old_redelivery_is_counted_late(settings, tables, pipeline_name,
+                                                                    monkeypatch) -> None:
     spec = pipeline_from_dict({"name": pipeline_name, "window": {"type": "fixed", "size": "1m"},
                                "source": {"prefix": f"{pipeline_name}/"}, "allowed_lateness": "1m",
                                "watermark": {"policy": "processing_time", "lag": "0s"}})
     store = ObjectStore(settings)
-    # Ids expire when seen_ids is compacted: at its upkeep turn once it has more than COMPACT_OVER_FILES
-    # files (one per batch).
-    turns = MicroBatch(settings, spec).upkeep_turns()
-    batches = next(b for b in range(COMPACT_OVER_FILES + 1, 10 * len(turns)) if turns[b % len(turns)] == (
-        "compact", "seen_ids"))
+    # Ids expire when seen_ids is compacted: by the commit of the first batch that finds it with more than
+    # SEEN_FOLD_OVER_FILES files (one per batch).
+    batches = SEEN_FOLD_OVER_FILES + 2
+    reads: list[str] = []  # the last batch's reads of seen_ids
     for b in range(batches):
         store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{arrival_tag(us(b))}-{b}.jsonl",
                         event(b, b + 0.5, b + 0.6).encode())
-        run_batch(settings, spec, T0 + timedelta(minutes=b + 1))
+        if b == batches - 1:  # e(b-2) delivered again, still remembered
+            store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{arrival_tag(us(b))}-again.jsonl",
+                            event(b - 2, b - 1.5, b + 0.7).encode())
+            for method in ("read_arrow", "select"):
+                real = getattr(Tables, method)
+                monkeypatch.setattr(Tables, method, lambda self, p, n, *a, _real=real, **k: (
+                    reads.append(n) if n == "seen_ids" else None) or _real(self, p, n, *a, **k))
+        last = run_batch(settings, spec, T0 + timedelta(minutes=b + 1))
+    assert last.counts["duplicates"] == 1 and last.counts["accepted"] == 1
+    # The dedup's read of seen_ids also took the ids the replacement keeps: the table was read once.
+    assert reads == ["seen_ids"]
+    monkeypatch.undo()
     seen = tables.read_arrow(pipeline_name, "seen_ids")
-    # The last batch's upkeep rewrote the earlier batches' ids into one file, without those older than
-    # 2 minutes (1m lateness + 1m window) behind its input watermark (12:<batches - 1>); then the batch
-    # appended its own.
+    # The last batch replaced the earlier batches' files by one file of its own ids and the earlier ones
+    # not older than 2 minutes (1m lateness + 1m window) behind its input watermark (12:<batches - 1>).
     assert set(seen.column("id").to_pylist()) == {f"e{batches - 3}", f"e{batches - 2}", f"e{batches - 1}"}
-    assert len(DeltaTable(tables.uri(pipeline_name, "seen_ids"), storage_options=tables.options).file_uris()) == 2
+    assert len(DeltaTable(tables.uri(pipeline_name, "seen_ids"), storage_options=tables.options).file_uris()) == 1
     # e1 delivered again: no longer remembered, but its window is past allowed lateness: late, not double.
     store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{arrival_tag(us(batches))}-again.jsonl",
                     event(1, 1.5, batches + 0.2).encode())

@@ -102,10 +102,19 @@ BATCHES_SCHEMA = pa.schema(
 STATE_TABLES = ("windows", "seen_ids")
 #: read whole by every batch's plan
 BOOKKEEPING_TABLES = ("batches", "ingest_log")
-#: read whole, or by an event-time range that spans every file: compacted into one file once they pass
-#: COMPACT_OVER_FILES, so what a batch reads does not grow with the number of batches
-COMPACTED_TABLES = (*BOOKKEEPING_TABLES, "seen_ids")
+#: compacted once they pass COMPACT_OVER_FILES, so that what a batch pays does not grow with the number
+#: of batches: the bookkeeping tables are read whole, and panes gets a file from every batch, while a
+#: delta-rs commit's cost grows with the table's file count (measured: an append took 22 ms at 5 files,
+#: 66 ms at 400; 23 ms at 400 versions compacted every 11 commits)
+COMPACTED_TABLES = (*BOOKKEEPING_TABLES, "panes")
 COMPACT_OVER_FILES = 8
+#: ``seen_ids`` is read by every batch's dedup (an event-time range that spans its files): once it has
+#: more than this many files, the batch's own commit to it replaces them by one file of the ids within
+#: the dedup horizon plus its own, from the rows its dedup read anyway (see ``_dedup``)
+SEEN_FOLD_OVER_FILES = 4
+#: compaction bin-packs the files below this size (delta-rs re-packs the last, unfilled bin each time, so a
+#: turn rewrites at most about this much of an output that grows without bound); default: delta-rs's 100 MB
+COMPACT_TARGET_BYTES = {"panes": 16 << 20}
 #: a table's first commits replay about as fast as a checkpoint reads: its turns start at this version
 CHECKPOINT_FROM_VERSION = 4
 #: the current view's partitions: a batch's MERGE rewrites the hours it touches
@@ -529,6 +538,8 @@ class MicroBatch:
         self._deferred: list[tuple[str, str, Callable[[], Any]]] | None = None
         #: tables this run has committed to (their snapshots are current: see ``_versions``)
         self._written: set[str] = set()
+        #: output tables the last marker found absent: absent still unless this run writes them (see ``_run``)
+        self._absent: set[str] = set()
         #: the plan's commit and the batch's upkeep step, running while the planned files are read
         #: (see ``_plan_landed``)
         self._plan_commit: Future | None = None
@@ -622,7 +633,7 @@ class MicroBatch:
         by_table: dict[str, list[tuple[str, str, Callable[[], Any]]]] = {}
         for name, table, write in deferred:
             by_table.setdefault(table, []).append((name, table, write))
-        probe = [n for n in tables if n not in by_table and n not in self._written]
+        probe = [n for n in tables if n not in by_table and n not in self._written and n not in self._absent]
 
         def run(steps: list[tuple[str, str, Callable[[], Any]]]) -> None:
             for name, table, write in steps:
@@ -633,7 +644,8 @@ class MicroBatch:
             probes = {n: pool.submit(self.tables.version, self.name, n) for n in probe}
         for f in futures:
             f.result()
-        return {n: f.result() for n, f in probes.items()}
+        return {**{n: None for n in tables if n in self._absent and n not in self._written},
+                **{n: f.result() for n, f in probes.items()}}
 
     def _run(self, processing_time: datetime | int | str, watermark: datetime | int | str | None) -> BatchResult:
         P = to_us(processing_time)
@@ -667,6 +679,12 @@ class MicroBatch:
         # Its commit runs while the planned files are read and deduplicated (nothing else commits
         # before it has landed, and forked workers never start beside it).
         plan = self.plan_of(batch, found["log"])
+        # Output tables the last marker found absent need no probe for this one (~10 ms each, more beside
+        # the commits): only a batch creates them, holding the lease, and its marker follows all its
+        # commits. Not on a rerun: the crashed attempt may have created one.
+        self._absent = set()
+        if plan is None and prev is not None:
+            self._absent = {n for n, v in json.loads(prev["versions"] or "{}").items() if v is None}
         if plan is None:
             files, oldest_pending = self.pending_files(P, found["log"], found["landing"])
             versions = {name: found[f"version:{name}"] for name in self.state_tables}
@@ -691,8 +709,10 @@ class MicroBatch:
         good, bad = self._read(plan, P)
         t.lap("ingest")
 
-        # Dedup: within the batch, then against ids seen by earlier batches.
-        accepted = self._dedup(good, plan["versions"].get("seen_ids"))
+        # Dedup: within the batch, then against ids seen by earlier batches; ``kept``: the earlier ids
+        # within the dedup horizon, when this batch's commit is to replace seen_ids' files (see _dedup).
+        seen_version = plan["versions"].get("seen_ids")
+        accepted, kept = self._dedup(good, seen_version, self._seen_keep_from(w_in, seen_version))
         duplicates = good.num_rows - accepted.num_rows
         del good
         t.lap("dedup")
@@ -725,9 +745,13 @@ class MicroBatch:
                  "raw": [b[2] for b in bad], "reason": [b[3] for b in bad],
                  "batch": pa.array([batch] * len(bad), pa.int64())}, schema=QUARANTINE_SCHEMA), txn=txn))
         if accepted.num_rows:
-            self._step("seen_ids", lambda: self.tables.append(name, "seen_ids", pa.table(
-                {"id": accepted.column("id"), "event_time": event_times.cast(TS),
-                 "batch": pa.array(np.full(accepted.num_rows, batch, np.int64))}, schema=SEEN_SCHEMA), txn=txn))
+            own = pa.table({"id": accepted.column("id"), "event_time": event_times.cast(TS),
+                            "batch": pa.array(np.full(accepted.num_rows, batch, np.int64))}, schema=SEEN_SCHEMA)
+            if kept is None:
+                self._step("seen_ids", lambda: self.tables.append(name, "seen_ids", own, txn=txn))
+            else:  # ids expire here: older ones are dropped with the files that held them
+                rows = pa.concat_tables([kept.select(SEEN_SCHEMA.names).cast(SEEN_SCHEMA), own]).sort_by("event_time")
+                self._step("seen_ids", lambda: self.tables.replace(name, "seen_ids", rows, own, seen_version, txn=txn))
         self._plan_landed()
         t.lap("commit")
         self._upkeep_landed()
@@ -784,25 +808,17 @@ class MicroBatch:
         """Table upkeep, one step of ``upkeep_turns`` per batch, so that no batch pays for every table
         at once (with delta-rs's own every-10-commits checkpoints, every table wrote one in the same
         batch, every 10th batch). It changes no rows a reader sees, so it runs beside the batch, which
-        has pinned the versions it reads. Dedup ids expire when ``seen_ids`` is compacted: its rewrite
-        keeps only the ids within the dedup horizon of ``watermark`` (the batch's input watermark: what
-        the rerun of a crashed batch would find is the version its plan pinned; the next batch, whose
-        plan comes after this batch's commits, finds the rewrite). Best-effort: a failed step waits for
-        its next turn. ``first``: a commit to the same table that must land before (one writer per
-        table at a time)."""
+        has pinned the versions it reads. (``seen_ids`` is compacted by the batches' own commits to it, see
+        ``_seen_keep_from``.) Best-effort: a failed step waits for its next turn. ``first``: a commit to
+        the same table that must land before (one writer per table at a time)."""
         if first is not None:
             wait([first])
         name = self.name
         op, table = turn
-        horizon = self.dedup_horizon()
         try:
             if op == "compact":
-                if table == "seen_ids" and horizon is not None and watermark - horizon > 0:
-                    cutoff = sql_ts(watermark - horizon)
-                    done = self.tables.rewrite(name, table, f"event_time >= {cutoff}", over_files=COMPACT_OVER_FILES,
-                                               schema=SEEN_SCHEMA, sort_by="event_time")
-                else:
-                    done = self.tables.compact(name, table, over_files=COMPACT_OVER_FILES)
+                done = self.tables.compact(name, table, over_files=COMPACT_OVER_FILES,
+                                           target_size=COMPACT_TARGET_BYTES.get(table))
                 if done:
                     return
             # (a compaction turn with nothing to compact checkpoints; a log of a few commits needs none)
@@ -855,12 +871,24 @@ class MicroBatch:
             return event_schema(self.spec.value_type).empty_table(), bad
         return pa.concat_tables([parts[k] for k in sorted(parts)]), bad
 
-    def _dedup(self, good: pa.Table, seen_version: int | None) -> pa.Table:
+    def _seen_keep_from(self, w_in: int, seen_version: int | None) -> int | None:
+        """Whether this batch replaces seen_ids' files (it has more than SEEN_FOLD_OVER_FILES at the
+        pinned version), and if so from which event time on earlier ids are kept: those within the dedup
+        horizon of the input watermark (a re-delivery older than that is beyond allowed lateness anyway)."""
+        horizon = self.dedup_horizon()
+        if seen_version is None or horizon is None or w_in - horizon <= 0:
+            return None
+        files = self.tables.file_count(self.name, "seen_ids", version=seen_version)
+        return w_in - horizon if files > SEEN_FOLD_OVER_FILES else None
+
+    def _dedup(self, good: pa.Table, seen_version: int | None,
+               keep_from: int | None = None) -> tuple[pa.Table, pa.Table | None]:
         """Within the batch the first by (arrival, file, line) of each id wins; ids accepted by earlier
-        batches are duplicates. The accepted elements, in (arrival, file, line) order."""
+        batches are duplicates. The accepted elements, in (arrival, file, line) order; and with
+        ``keep_from``, the earlier ids from that event time on (or None), taken by the same read."""
         n = good.num_rows
         if not n:
-            return good
+            return good, None
         order = pc.sort_indices(good.column("arrival_time")).to_numpy()  # stable (see _read)
         rank = np.empty(n, np.int64)
         rank[order] = np.arange(n, dtype=np.int64)
@@ -871,15 +899,32 @@ class MicroBatch:
         accepted = good.take(keep)
         del keep
         if seen_version is None:  # no earlier batch has accepted anything
-            return accepted
+            return accepted, None
         seen: set[str] = set()
+        kept = None
         ids, event_times = accepted.column("id"), accepted.column("event_time")
-        for lo in range(0, accepted.num_rows, SEEN_PROBE_CHUNK):
-            seen |= self._seen(seen_version, ids.slice(lo, SEEN_PROBE_CHUNK).to_pylist(),
-                               event_times.slice(lo, SEEN_PROBE_CHUNK).to_pylist())
+        if keep_from is not None:
+            seen, kept = self._seen_and_kept(seen_version, ids, event_times, keep_from)
+        else:
+            for lo in range(0, accepted.num_rows, SEEN_PROBE_CHUNK):
+                seen |= self._seen(seen_version, ids.slice(lo, SEEN_PROBE_CHUNK).to_pylist(),
+                                   event_times.slice(lo, SEEN_PROBE_CHUNK).to_pylist())
         if not seen:
-            return accepted
-        return accepted.filter(pc.invert(pc.is_in(ids, value_set=pa.array(sorted(seen), pa.string()))))
+            return accepted, kept
+        return accepted.filter(pc.invert(pc.is_in(ids, value_set=pa.array(sorted(seen), pa.string())))), kept
+
+    def _seen_and_kept(self, version: int, ids: pa.ChunkedArray, event_times: pa.ChunkedArray,
+                       keep_from: int) -> tuple[set[str], pa.Table]:
+        """``_seen`` from one read that also holds the earlier ids from ``keep_from`` on: every row from
+        the earlier of the batch's first event time and ``keep_from`` on."""
+        first, last = pc.min(event_times).as_py(), pc.max(event_times).as_py()
+        ts = pc.field("event_time")
+        t = self.tables.read_arrow(self.name, "seen_ids", version=version, schema=SEEN_SCHEMA,
+                                   filters=ts >= pa.scalar(min(first, keep_from), pa.int64()).cast(TS))
+        kept = t.filter(ts >= pa.scalar(keep_from, pa.int64()).cast(TS))
+        t = t.filter((ts >= pa.scalar(first, pa.int64()).cast(TS)) & (ts <= pa.scalar(last, pa.int64()).cast(TS)))
+        hits = t.column("id").filter(pc.is_in(t.column("id"), value_set=pc.cast(ids, pa.string()).combine_chunks()))
+        return set(hits.to_pylist()), kept
 
     def _seen(self, version: int | None, ids: list[str], event_times: list[int]) -> set[str]:
         """Ids already accepted by earlier batches. A record id names one event, whose event time does

@@ -361,37 +361,43 @@ class Tables:
         dt = self._latest.get(self.uri(pipeline, name))
         return dt if dt is not None else self.open(pipeline, name)
 
-    def compact(self, pipeline: str, name: str, over_files: int) -> bool:
-        """Bin-pack a table's files into one once it has more than ``over_files`` (a ``dataChange=false``
-        commit: readers and time travel see the same rows). For the small bookkeeping tables a batch
-        reads whole, so reading them does not grow with the number of batches."""
+    def compact(self, pipeline: str, name: str, over_files: int, target_size: int | None = None) -> bool:
+        """Bin-pack a table's small files (below ``target_size`` bytes, default delta-rs's) into as few as
+        fit once it has more than ``over_files`` (a ``dataChange=false`` commit: readers and time travel
+        see the same rows), so that reading, and committing to, a table a batch appends to does not
+        grow with the number of batches."""
         dt = self._snapshot(pipeline, name)
         if dt is None or len(dt.file_uris()) <= over_files:
             return False
         dt.update_incremental()
         try:
-            dt.optimize.compact(post_commithook_properties=self._hooks)
+            metrics = dt.optimize.compact(target_size=target_size, post_commithook_properties=self._hooks)
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
+        return bool(metrics.get("numFilesRemoved"))  # False: every small file stood alone in its bin
+
+    def replace(self, pipeline: str, name: str, rows: pa.Table, added: pa.Table, base_version: int,
+                txn: Txn | None = None) -> bool:
+        """Replace every file of the table by one file of ``rows``, which were derived from it as of
+        ``base_version`` plus ``added``: a compaction that also drops rows (expired dedup ids) in the
+        commit that adds the new ones. If the table has moved on since ``base_version``, only ``added``
+        is appended (nothing is lost; the compaction waits). False if ``txn`` was already applied."""
+        dt = self.open(pipeline, name)
+        if dt is None or dt.version() != base_version:
+            return self.append(pipeline, name, added, txn=txn)
+        if self.already_applied(dt, txn):
+            return False
+        try:
+            write_deltalake(dt, rows, mode="overwrite", commit_properties=_commit(txn),
+                            post_commithook_properties=self._hooks)
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
         return True
 
-    def rewrite(self, pipeline: str, name: str, keep: str, over_files: int, schema: pa.Schema,
-                sort_by: str | None = None) -> bool:
-        """Compaction that also drops rows: once a table has more than ``over_files`` files, replace
-        them in one commit by one file of the rows matching ``keep`` (SQL). For state that expires
-        (dedup ids): the expiry costs nothing beyond the compaction the table needs anyway."""
-        uri = self.uri(pipeline, name)
-        dt = self._snapshot(pipeline, name)
-        if dt is None or len(dt.file_uris()) <= over_files:
-            return False
-        rows = self.select(pipeline, name, keep, schema=schema).select(schema.names).cast(schema)
-        if sort_by:
-            rows = rows.sort_by(sort_by)
-        try:
-            write_deltalake(dt, rows, mode="overwrite", post_commithook_properties=self._hooks)
-        except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
-        return True
+    def file_count(self, pipeline: str, name: str, version: int) -> int:
+        """How many data files the table has at ``version`` (0 if it does not exist)."""
+        with self._at(pipeline, name, version) as dt:
+            return 0 if dt is None else len(dt.file_uris())
 
     def checkpoint(self, pipeline: str, name: str, min_version: int = 0) -> bool:
         """Write a checkpoint at this process's latest snapshot of the table (readers then replay only
