@@ -9,7 +9,7 @@ import json
 import pyarrow as pa
 from deltalake import DeltaTable
 from millpond.ingest import arrival_tag
-from millpond.microbatch import run_batch
+from millpond.microbatch import OUTPUT_TABLES, run_batch
 from millpond.objectstore import ObjectStore
 from millpond.pipeline import pipeline_from_dict
 from millpond.tables import Tables, Txn
@@ -54,11 +54,14 @@ def test_marker_names_the_version_of_each_table_as_of_its_batch(settings, tables
     land(settings, pipeline_name, minute(9), [("a", "k", 1, 1), ("b", "j", 1, 2)])
     bad = f"{pipeline_name}/{arrival_tag(to_us(minute(9)))}-bad.jsonl"
     store.put_bytes(settings.bucket_landing, bad, b"{not json\n")
-    run_batch(settings, spec, minute(10), watermark=minute(0))
-    land(settings, pipeline_name, minute(19), [("c", "k", 2, 3)])
     asked: list[str] = []  # the tables whose latest version the store is asked for
     real = Tables.version
     monkeypatch.setattr(Tables, "version", lambda self, p, n: asked.append(n) or real(self, p, n))
+    run_batch(settings, spec, minute(10), watermark=minute(0))
+    # Before the first marker, no output table but the plan's can exist: the first batch asks for none.
+    assert sorted(n for n in asked if n in OUTPUT_TABLES) == ["seen_ids", "windows"]  # (the plan's state versions)
+    land(settings, pipeline_name, minute(19), [("c", "k", 2, 3)])
+    asked.clear()
     run_batch(settings, spec, minute(20), watermark=minute(30))  # both sessions fire and are collected
     # Batch 1's marker found `late` absent: no batch has created it since, so batch 2 need not ask.
     assert "quarantine" in asked and "late" not in asked

@@ -113,8 +113,9 @@ COMPACT_OVER_FILES = 8
 #: the dedup horizon plus its own, from the rows its dedup read anyway (see ``_dedup``)
 SEEN_FOLD_OVER_FILES = 4
 #: compaction bin-packs the files below this size (delta-rs re-packs the last, unfilled bin each time, so a
-#: turn rewrites at most about this much of an output that grows without bound); default: delta-rs's 100 MB
-COMPACT_TARGET_BYTES = {"panes": 16 << 20}
+#: turn rewrites at most about this much of an output that grows without bound: small, since the batch
+#: waits for its upkeep step before committing; files of large batches stand alone); default: 100 MB
+COMPACT_TARGET_BYTES = {"panes": 4 << 20}
 #: a table's first commits replay about as fast as a checkpoint reads: its turns start at this version
 CHECKPOINT_FROM_VERSION = 4
 #: the current view's partitions: a batch's MERGE rewrites the hours it touches
@@ -681,10 +682,12 @@ class MicroBatch:
         plan = self.plan_of(batch, found["log"])
         # Output tables the last marker found absent need no probe for this one (~10 ms each, more beside
         # the commits): only a batch creates them, holding the lease, and its marker follows all its
-        # commits. Not on a rerun: the crashed attempt may have created one.
+        # commits; before the first marker, only the plan's table can exist. Not on a rerun: the
+        # crashed attempt may have created one.
         self._absent = set()
-        if plan is None and prev is not None:
-            self._absent = {n for n, v in json.loads(prev["versions"] or "{}").items() if v is None}
+        if plan is None:
+            self._absent = ({n for n, v in json.loads(prev["versions"] or "{}").items() if v is None} if prev
+                            else set(self.output_tables) - {"ingest_log"})
         if plan is None:
             files, oldest_pending = self.pending_files(P, found["log"], found["landing"])
             versions = {name: found[f"version:{name}"] for name in self.state_tables}
@@ -712,7 +715,7 @@ class MicroBatch:
         # Dedup: within the batch, then against ids seen by earlier batches; ``kept``: the earlier ids
         # within the dedup horizon, when this batch's commit is to replace seen_ids' files (see _dedup).
         seen_version = plan["versions"].get("seen_ids")
-        accepted, kept = self._dedup(good, seen_version, self._seen_keep_from(w_in, seen_version))
+        accepted, kept = self._dedup(good, seen_version, w_in)
         duplicates = good.num_rows - accepted.num_rows
         del good
         t.lap("dedup")
@@ -748,10 +751,11 @@ class MicroBatch:
             own = pa.table({"id": accepted.column("id"), "event_time": event_times.cast(TS),
                             "batch": pa.array(np.full(accepted.num_rows, batch, np.int64))}, schema=SEEN_SCHEMA)
             if kept is None:
-                self._step("seen_ids", lambda: self.tables.append(name, "seen_ids", own, txn=txn))
+                self._step("seen_ids", lambda: self.tables.append(name, "seen_ids", own, txn=txn, unique=["id"]))
             else:  # ids expire here: older ones are dropped with the files that held them
                 rows = pa.concat_tables([kept.select(SEEN_SCHEMA.names).cast(SEEN_SCHEMA), own]).sort_by("event_time")
-                self._step("seen_ids", lambda: self.tables.replace(name, "seen_ids", rows, own, seen_version, txn=txn))
+                self._step("seen_ids", lambda: self.tables.replace(name, "seen_ids", rows, own, seen_version, txn=txn,
+                                                                   unique=["id"]))
         self._plan_landed()
         t.lap("commit")
         self._upkeep_landed()
@@ -881,11 +885,11 @@ class MicroBatch:
         files = self.tables.file_count(self.name, "seen_ids", version=seen_version)
         return w_in - horizon if files > SEEN_FOLD_OVER_FILES else None
 
-    def _dedup(self, good: pa.Table, seen_version: int | None,
-               keep_from: int | None = None) -> tuple[pa.Table, pa.Table | None]:
+    def _dedup(self, good: pa.Table, seen_version: int | None, w_in: int) -> tuple[pa.Table, pa.Table | None]:
         """Within the batch the first by (arrival, file, line) of each id wins; ids accepted by earlier
-        batches are duplicates. The accepted elements, in (arrival, file, line) order; and with
-        ``keep_from``, the earlier ids from that event time on (or None), taken by the same read."""
+        batches are duplicates. The accepted elements, in (arrival, file, line) order; and, when the
+        batch is to replace seen_ids' files (``_seen_keep_from``), the earlier ids it keeps (else None),
+        taken by the same read."""
         n = good.num_rows
         if not n:
             return good, None
@@ -903,6 +907,7 @@ class MicroBatch:
         seen: set[str] = set()
         kept = None
         ids, event_times = accepted.column("id"), accepted.column("event_time")
+        keep_from = self._seen_keep_from(w_in, seen_version)
         if keep_from is not None:
             seen, kept = self._seen_and_kept(seen_version, ids, event_times, keep_from)
         else:

@@ -19,7 +19,16 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, QueryBuilder, Transaction, write_deltalake
+from deltalake import (
+    ColumnProperties,
+    CommitProperties,
+    DeltaTable,
+    PostCommitHookProperties,
+    QueryBuilder,
+    Transaction,
+    WriterProperties,
+    write_deltalake,
+)
 from deltalake.exceptions import TableNotFoundError
 
 from .config import Settings
@@ -49,6 +58,15 @@ def storage_options(settings: Settings) -> dict[str, str]:
         "timeout": "30s",
         "connect_timeout": "3s",
     }
+
+
+def _writer_properties(unique: Sequence[str]) -> WriterProperties | None:
+    """No dictionary for columns of (nearly) unique values, e.g. record ids: the writer would build one,
+    find it as large as the column and fall back to plain encoding. Measured on 100k ids: the write took
+    half the time."""
+    if not unique:
+        return None
+    return WriterProperties(column_properties={c: ColumnProperties(dictionary_enabled=False) for c in unique})
 
 
 def _commit(txn: Txn | None) -> CommitProperties | None:
@@ -267,15 +285,16 @@ class Tables:
         return done is not None and done >= txn.version
 
     def append(self, pipeline: str, name: str, data: pa.Table, txn: Txn | None = None,
-               partition_by: Sequence[str] | None = None) -> bool:
-        """Append rows; False if ``txn`` was already applied (the retry is skipped)."""
-        return self._write(pipeline, name, data, "append", txn, partition_by)
+               partition_by: Sequence[str] | None = None, unique: Sequence[str] = ()) -> bool:
+        """Append rows; False if ``txn`` was already applied (the retry is skipped). ``unique``: columns
+        whose values (nearly) never repeat, written without a dictionary (see ``_writer_properties``)."""
+        return self._write(pipeline, name, data, "append", txn, partition_by, unique)
 
     def overwrite(self, pipeline: str, name: str, data: pa.Table, txn: Txn | None = None) -> bool:
         return self._write(pipeline, name, data, "overwrite", txn, None)
 
     def _write(self, pipeline: str, name: str, data: pa.Table, mode: str, txn: Txn | None,
-               partition_by: Sequence[str] | None) -> bool:
+               partition_by: Sequence[str] | None, unique: Sequence[str] = ()) -> bool:
         uri = self.uri(pipeline, name)
         dt = self.open(pipeline, name)
         if self.already_applied(dt, txn):
@@ -284,11 +303,12 @@ class Tables:
             if dt is None:  # the first write creates the table: its version 0 holds these rows
                 write_deltalake(uri, data, mode=mode, partition_by=list(partition_by) if partition_by else None,
                                 storage_options=self.options, commit_properties=_commit(txn),
-                                configuration=TABLE_CONFIG, post_commithook_properties=self._hooks)
+                                configuration=TABLE_CONFIG, post_commithook_properties=self._hooks,
+                                writer_properties=_writer_properties(unique))
                 self._created.add(uri)
             else:
                 write_deltalake(dt, data, mode=mode, commit_properties=_commit(txn),
-                                post_commithook_properties=self._hooks)
+                                post_commithook_properties=self._hooks, writer_properties=_writer_properties(unique))
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
         return True
@@ -377,19 +397,19 @@ class Tables:
         return bool(metrics.get("numFilesRemoved"))  # False: every small file stood alone in its bin
 
     def replace(self, pipeline: str, name: str, rows: pa.Table, added: pa.Table, base_version: int,
-                txn: Txn | None = None) -> bool:
+                txn: Txn | None = None, unique: Sequence[str] = ()) -> bool:
         """Replace every file of the table by one file of ``rows``, which were derived from it as of
         ``base_version`` plus ``added``: a compaction that also drops rows (expired dedup ids) in the
         commit that adds the new ones. If the table has moved on since ``base_version``, only ``added``
         is appended (nothing is lost; the compaction waits). False if ``txn`` was already applied."""
         dt = self.open(pipeline, name)
         if dt is None or dt.version() != base_version:
-            return self.append(pipeline, name, added, txn=txn)
+            return self.append(pipeline, name, added, txn=txn, unique=unique)
         if self.already_applied(dt, txn):
             return False
         try:
             write_deltalake(dt, rows, mode="overwrite", commit_properties=_commit(txn),
-                            post_commithook_properties=self._hooks)
+                            post_commithook_properties=self._hooks, writer_properties=_writer_properties(unique))
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
         return True
