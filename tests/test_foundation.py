@@ -49,6 +49,27 @@ def test_idempotent_commit_is_skipped_on_retry(tables: Tables, pipeline_name: st
     assert tables.read_arrow(pipeline_name, "t").num_rows == 2
 
 
+def test_replace_is_one_commit_at_its_base_version_and_an_append_after(tables: Tables, pipeline_name: str) -> None:
+    """A compaction that drops rows in the commit that adds new ones: only over the version the rows
+    were derived from; a table that moved on gets the new rows appended, and a retry is skipped."""
+    def ids() -> list[str]:
+        return sorted(tables.read_arrow(pipeline_name, "t").column("id").to_pylist())
+
+    for i in range(3):
+        tables.append(pipeline_name, "t", pa.table({"id": [f"a{i}"]}))
+    base = tables.version(pipeline_name, "t")
+    kept = pa.table({"id": ["a1", "a2"]})  # a0 expires
+    assert tables.replace(pipeline_name, "t", pa.concat_tables([kept, pa.table({"id": ["b"]})]),
+                          pa.table({"id": ["b"]}), base, txn=Txn(pipeline_name, 1), unique=["id"]) is True
+    assert ids() == ["a1", "a2", "b"] and len(tables.open(pipeline_name, "t").file_uris()) == 1
+    assert tables.replace(pipeline_name, "t", kept, pa.table({"id": ["b"]}), base,
+                          txn=Txn(pipeline_name, 1)) is False  # the retry (the table moved on: it appends, skipped)
+    # Rows derived from an older version replace nothing: the new ones are appended, nothing is lost.
+    assert tables.replace(pipeline_name, "t", pa.table({"id": ["c"]}), pa.table({"id": ["c"]}), base,
+                          txn=Txn(pipeline_name, 2)) is True
+    assert ids() == ["a1", "a2", "b", "c"]
+
+
 def test_reads_at_a_version_see_that_version_in_any_order_and_from_any_thread(tables: Tables,
                                                                                pipeline_name: str) -> None:
     """A batch reads its state at the versions its plan pinned; the one snapshot kept per table for
