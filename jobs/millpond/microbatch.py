@@ -705,7 +705,7 @@ class MicroBatch:
         turns = self.upkeep_turns()
         turn = turns[batch % len(turns)]
         first = self._plan_commit if turn[1] == "ingest_log" else None
-        self._upkeep = self._background.submit(self._maintain, batch, turn, w_in, first)
+        self._upkeep = self._background.submit(self._maintain, batch, turn, first)
         t.lap("plan")
 
         # Ingest: read and parse the planned files (in parallel), quarantine bad rows.
@@ -808,7 +808,7 @@ class MicroBatch:
         tables = sorted(set(self.output_tables) | set(self.state_tables) | set(BOOKKEEPING_TABLES))
         return [("compact", t) for t in COMPACTED_TABLES] + [("checkpoint", t) for t in tables]
 
-    def _maintain(self, batch: int, turn: tuple[str, str], watermark: int, first: Future | None = None) -> None:
+    def _maintain(self, batch: int, turn: tuple[str, str], first: Future | None = None) -> None:
         """Table upkeep, one step of ``upkeep_turns`` per batch, so that no batch pays for every table
         at once (with delta-rs's own every-10-commits checkpoints, every table wrote one in the same
         batch, every 10th batch). It changes no rows a reader sees, so it runs beside the batch, which
