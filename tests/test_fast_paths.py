@@ -1,8 +1,9 @@
 """The per-key step's shortcuts against the general code they stand in for, on random inputs.
 
 Each shortcut (the copied trigger state of a new window, the sessions merge over plain ints, the
-garbage-collection firing that skips the timer walk) must give exactly the rows the general code
-gives: same panes, same state JSON, same deletes and late rows, batch after batch."""
+garbage-collection firing that skips the timer walk, windows formed on columns for keys without
+stored windows) must give exactly the rows the general code gives: same panes, same state JSON, same
+deletes and late rows, batch after batch."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import json
 import random
 from typing import Any
 
+import pyarrow as pa
 import pytest
-from millpond import engine, triggers
+from millpond import engine, microbatch, triggers
 from millpond.engine import BatchClock, Element, gc_time, timers
-from millpond.microbatch import _strategy, key_rows
-from millpond.state import WindowState
+from millpond.microbatch import EVENT_COLUMNS, _Assembly, _run_local, _strategy, key_rows
+from millpond.pipeline import pipeline_from_dict
+from millpond.state import WINDOWS_SCHEMA, WindowState
 from millpond.timeutil import MAX_TS
 from millpond.triggers import merge_states, parse_trigger
 from millpond.windows import Sessions, Window
@@ -177,3 +180,92 @@ def test_event_timer_never_after_garbage_collection() -> None:
             trigger.on_element(ctx, "0", clock.processing_time, rng.randint(1, 3))
             ws.closed = rng.random() < 0.2
             assert timers(ws, strategy, clock)[0] <= gc_time(ws.window, strategy.allowed_lateness)
+
+
+def _run_tables(spec: str, batches: list[tuple[BatchClock, dict[str, list[Element]]]]) -> list[dict[str, list]]:
+    """Every batch through the driver path's layout (``_run_local``, no forks), the ``windows`` rows
+    carried over as the table carries them: each batch's output tables as rows."""
+    pipeline = pipeline_from_dict(json.loads(spec))
+    value = pa.float64() if pipeline.value_type == "float" else pa.int64()
+    types = {"id": pa.string(), "key": pa.string(), "value": value}
+    schema = pa.schema([(c, types.get(c, pa.int64())) for c in EVENT_COLUMNS])
+    stored: dict[tuple[str, int, int], dict[str, Any]] = {}
+    out = []
+    for clock, by_key in batches:
+        events = pa.Table.from_pylist([el._asdict() for els in by_key.values() for el in els], schema=schema)
+        state = pa.Table.from_pylist(sorted(stored.values(), key=lambda r: (r["key"], r["window_start"])),
+                                     schema=WINDOWS_SCHEMA)
+        sink = _Assembly(clock.batch, clock, pipeline.value_type, pipeline.pane_value_type,
+                         pipeline.mode.value == "discarding")
+        _run_local(spec, clock, events, state, sink)
+        sink.finish()
+        for row in sink.state.to_pylist():
+            at = (row["key"], row["window_start"], row["window_end"])
+            if row["deleted"]:
+                stored.pop(at, None)
+            else:
+                stored[at] = row
+        out.append({name: getattr(sink, name).to_pylist() for name in ("panes", "state", "late", "current")})
+    return out
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_windows_formed_on_columns_match_the_element_path(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys without stored windows (every key of a first batch, a key back after its sessions were
+    collected) get their windows assigned, merged and grouped on columns; a key with a late element or
+    stored windows, and every key of a sliding or global pipeline, keeps the element path."""
+    spec, batches = _scenario(seed)
+    monkeypatch.setattr(microbatch.cores, "WORKERS", 0)
+    formed: list[int] = []
+    real = microbatch._formed
+
+    def counted(*args: Any) -> Any:
+        got = real(*args)
+        formed.append(0 if got is None else int(got[1].sum()))
+        return got
+
+    monkeypatch.setattr(microbatch, "_formed", counted)
+    monkeypatch.setattr(microbatch, "COLUMNAR", True)
+    columnar = _run_tables(spec, batches)
+    monkeypatch.setattr(microbatch, "COLUMNAR", False)
+    reference = _run_tables(spec, batches)
+    assert columnar == reference
+    assert any(b["panes"] or b["late"] for b in reference)
+    window = json.loads(spec)["window"]["type"]
+    assert (sum(formed) > 0) == (window in ("sessions", "fixed")), formed
+
+
+def test_windows_formed_on_columns_cover_many_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A larger first batch and a second one (hundreds of keys, late elements, ties in arrival and event
+    time, float sums that depend on the order values are added in): the same tables with and without
+    the columnar path, for sessions and fixed windows."""
+    rng = random.Random(17)
+    monkeypatch.setattr(microbatch.cores, "WORKERS", 0)
+    t0 = 1_780_000_000_000_000
+    for window in ({"type": "sessions", "gap": "2m"}, {"type": "fixed", "size": "1m", "offset": "10s"}):
+        doc = {"name": "fast_paths", "source": {"prefix": "fast_paths/"}, "value_type": "float", "window": window,
+               "trigger": "AtWatermark(early=AfterDelay('1m'), late=AtCount(1))",
+               "accumulation": "accumulating_and_retracting", "aggregation": "sum", "allowed_lateness": "5m",
+               "batch_interval": "5m", "watermark": {"policy": "processing_time", "lag": "2m"}}
+        spec = json.dumps(doc, sort_keys=True)
+        batches = []
+        watermark = t0
+        for b in (1, 2):
+            ptime = t0 + 5 * b * MIN
+            clock = BatchClock(b, ptime, watermark, ptime - 2 * MIN)
+            watermark = clock.watermark
+            by_key: dict[str, list[Element]] = {}
+            for n in range(3000):
+                key = f"k{min(int(rng.paretovariate(1.0)), 400):03d}"
+                event = ptime - rng.randint(0, 40) * MIN // 4
+                if key.endswith(("1", "3")) and rng.random() < 0.05:  # late: these keys keep the element path
+                    event -= 15 * MIN
+                value = rng.choice([1e16, -1e16, 1.0, 3.0])  # a sum that depends on the order of addition
+                el = Element(f"b{b}e{n}", key, value, event, ptime - rng.randint(0, 4) * MIN)
+                by_key.setdefault(key, []).append(el)
+            batches.append((clock, by_key))
+        monkeypatch.setattr(microbatch, "COLUMNAR", True)
+        columnar = _run_tables(spec, batches)
+        monkeypatch.setattr(microbatch, "COLUMNAR", False)
+        assert columnar == _run_tables(spec, batches)
+        assert columnar[0]["late"] and columnar[1]["panes"]

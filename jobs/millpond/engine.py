@@ -12,6 +12,7 @@ emit panes in the accumulation mode, and garbage-collect windows past end + allo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, NamedTuple
@@ -33,6 +34,15 @@ class Element(NamedTuple):
     value: Any
     event_time: int
     arrival_time: int
+
+
+class WindowGroup(NamedTuple):
+    """A window's share of a batch, formed on columns for a key with no stored windows: the values in
+    the order the element path would add them (arrival, event time, id) and the first one's arrival."""
+
+    window: Window
+    values: list[Any]
+    first_arrival: int
 
 
 @dataclass(frozen=True)
@@ -101,9 +111,13 @@ def process_key(
     elements: list[Element],
     clock: BatchClock,
     strategy: Strategy,
+    groups: Sequence[WindowGroup] | None = None,
 ) -> KeyResult:
+    """``groups`` stands in for ``elements`` for a key without stored windows none of whose elements is
+    late: its windows already assigned and merged (``windows.WindowFn.columns``), so steps 1-3 make no
+    object per element."""
     result = KeyResult()
-    comb, trig, wfn = strategy.combiner, strategy.trigger, strategy.window_fn
+    comb, trig = strategy.combiner, strategy.trigger
     live: dict[Window, WindowState] = {ws.window: ws for ws in stored}
     touched: set[Window] = set()
     seq = 0
@@ -114,9 +128,49 @@ def process_key(
         return Pane(k, start, end, value, index, str(timing), is_last, str(kind), clock.batch,
                     clock.processing_time, clock.watermark, seq)
 
+    lateness = strategy.allowed_lateness
+    ptime, watermark = clock.processing_time, clock.watermark
+    if groups is not None:
+        _add_groups(groups, live, touched, strategy, ptime, watermark)
+    else:
+        _add_elements(elements, live, touched, result, clock, strategy)
+
+    # 4. Fire what is due, once per window; garbage-collect what can no longer fire.
+    mode = strategy.mode
+    for w in sorted(live):
+        ws = live[w]
+        gc_due = gc_time(w, lateness) <= watermark
+        # A window due for garbage collection has its event timer (never later than that) due too.
+        due = w in touched or gc_due or timer_due(ws, strategy, clock)
+        fired = False
+        if not ws.closed and due:
+            ctx = TriggerContext(w, watermark, ptime, ws.trigger)
+            if trig.should_fire(ctx, "0"):
+                fired = True
+                finished = trig.on_fire(ctx, "0")
+                if finished:
+                    trig.set_finished(ctx, "0")
+                    ws.closed = True
+                result.panes += emit(ws, mode, comb, key=key, clock=clock, is_last=finished or gc_due, make=make)
+            elif gc_due and ws.unfired > 0:
+                fired = True
+                result.panes += emit(ws, mode, comb, key=key, clock=clock, is_last=True, make=make)
+        if gc_due:
+            result.deletes.append(w)
+        elif w in touched or fired:
+            if ws.closed:
+                ws.acc, ws.trigger, ws.last, ws.pending = None, {"0": {"done": True}}, None, []
+            result.upserts.append(ws)
+    return result
+
+
+def _add_elements(elements: list[Element], live: dict[Window, WindowState], touched: set[Window],
+                  result: KeyResult, clock: BatchClock, strategy: Strategy) -> None:
+    """Steps 1-3 for a batch's elements of one key: assign, drop the late, merge, accumulate."""
     # 1. Assign windows; drop what is too late or belongs to a closed window.
     assigned: list[tuple[Element, Window]] = []
     closed_windows = [w for w, ws in live.items() if ws.closed]
+    comb, trig, wfn = strategy.combiner, strategy.trigger, strategy.window_fn
     assign, lateness, input_watermark = wfn.assign, strategy.allowed_lateness, clock.input_watermark
     # gc_time(w) <= input watermark, inlined (it runs once per element and window)
     forever, late_end = MAX_TS - lateness, input_watermark - lateness
@@ -196,30 +250,15 @@ def process_key(
         trig.on_element(ctx, "0", min(els[0].arrival_time, ptime), len(els))
         touched.add(w)
 
-    # 4. Fire what is due, once per window; garbage-collect what can no longer fire.
-    mode = strategy.mode
-    for w in sorted(live):
-        ws = live[w]
-        gc_due = gc_time(w, lateness) <= watermark
-        # A window due for garbage collection has its event timer (never later than that) due too.
-        due = w in touched or gc_due or timer_due(ws, strategy, clock)
-        fired = False
-        if not ws.closed and due:
-            ctx = TriggerContext(w, watermark, ptime, ws.trigger)
-            if trig.should_fire(ctx, "0"):
-                fired = True
-                finished = trig.on_fire(ctx, "0")
-                if finished:
-                    trig.set_finished(ctx, "0")
-                    ws.closed = True
-                result.panes += emit(ws, mode, comb, key=key, clock=clock, is_last=finished or gc_due, make=make)
-            elif gc_due and ws.unfired > 0:
-                fired = True
-                result.panes += emit(ws, mode, comb, key=key, clock=clock, is_last=True, make=make)
-        if gc_due:
-            result.deletes.append(w)
-        elif w in touched or fired:
-            if ws.closed:
-                ws.acc, ws.trigger, ws.last, ws.pending = None, {"0": {"done": True}}, None, []
-            result.upserts.append(ws)
-    return result
+
+def _add_groups(groups: Sequence[WindowGroup], live: dict[Window, WindowState], touched: set[Window],
+                strategy: Strategy, ptime: int, watermark: int) -> None:
+    """Step 3 for windows formed on columns: what ``_add_elements`` does for a key without stored windows
+    (new windows; a merging function's get the trigger state merged from none, as step 2 gives them)."""
+    comb, trig = strategy.combiner, strategy.trigger
+    merging = strategy.window_fn.merging
+    for w, values, first_arrival in groups:
+        ws = live[w] = WindowState(window=w, acc=comb.add_all(comb.create(), values),
+                                   trigger=merge_states(trig, [{}]) if merging else {}, unfired=len(values))
+        trig.on_element(TriggerContext(w, watermark, ptime, ws.trigger), "0", min(first_arrival, ptime), len(values))
+        touched.add(w)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
 from itertools import pairwise
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 
 from . import cores
 from .config import Settings
-from .engine import BatchClock, Element, process_key, timers
+from .engine import BatchClock, Element, Strategy, WindowGroup, process_key, timers
 from .errors import MillpondError
 from .ingest import LandingFile, event_schema, file_arrival, parse_file_table
 from .lease import Lease
@@ -41,7 +41,7 @@ from .panes import TS, pane_schema
 from .pipeline import PipelineSpec, pipeline_from_dict
 from .state import WINDOWS_SCHEMA, WindowState
 from .tables import Tables, Txn, sql_in, sql_ts
-from .timeutil import MIN_TS, parse_duration, to_datetime, to_us
+from .timeutil import MAX_TS, MIN_TS, parse_duration, to_datetime, to_us
 from .watermark import advance
 from .windows import Window
 
@@ -62,6 +62,9 @@ CHUNK_ELEMENTS = 200_000
 KEY_COST, STATE_ROW_COST = 20, 3
 #: ids probed against earlier batches' ``seen_ids`` per call (bounds the Python lists handed over)
 SEEN_PROBE_CHUNK = 1_000_000
+#: keys without stored windows get their windows formed on columns (``_formed``); off: every key's
+#: elements go through the per-element path (``MILLPOND_COLUMNAR_WINDOWS=0``, the reference)
+COLUMNAR = os.environ.get("MILLPOND_COLUMNAR_WINDOWS", "1") != "0"
 #: the columns of a batch's elements, in ``Element`` field order
 EVENT_COLUMNS = ("id", "key", "value", "event_time", "arrival_time")
 
@@ -223,12 +226,13 @@ def _strategy(spec_json: str):
 
 
 def key_rows(
-    spec_json: str, clock: BatchClock, key: str, elements: list[Element], state_rows: list[tuple[int, int, str]]
+    spec_json: str, clock: BatchClock, key: str, elements: list[Element], state_rows: list[tuple[int, int, str]],
+    groups: list[WindowGroup] | None = None,
 ) -> list[tuple[str, str, list]]:
     """Run one key; return (row type, key, payload fields) rows (``process_group`` sends them as JSON)."""
     strategy = _strategy(spec_json)
     stored = [WindowState.from_json(Window(s, e), st) for s, e, st in state_rows]
-    res = process_key(key, stored, elements, clock, strategy)
+    res = process_key(key, stored, elements, clock, strategy, groups)
     out: list[tuple[str, str, list]] = []
     for p in res.panes:
         out.append(("pane", key, [p.window_start, p.window_end, p.value, p.pane_index, p.timing, p.is_last, p.kind,
@@ -305,19 +309,84 @@ class _KeyLayout:
         """The per-key step's expected cost of each key in the range, in elements."""
         return (KEY_COST + np.diff(self.ev_off[lo:hi + 1]) + STATE_ROW_COST * np.diff(self.st_off[lo:hi + 1]))
 
-    def rows(self, lo: int, hi: int) -> tuple[list[str], list[list[Element]], list[list[tuple[int, int, str]]]]:
-        """Keys ``lo..hi``, each with its elements and its state rows (start, end, JSON), in table order."""
+    def rows(self, lo: int, hi: int, strategy: Strategy, clock: BatchClock) -> list[KeyInput]:
+        """Keys ``lo..hi``, each with its elements (or its windows formed on columns, see ``_formed``) and
+        its state rows (start, end, JSON), in table order."""
         ev_off, st_off = self.ev_off, self.st_off
         ev = self.events.take(self.ev_order[ev_off[lo]:ev_off[hi]])
+        counts = np.diff(ev_off[lo:hi + 1])
+        groups = _formed(ev, counts, np.diff(st_off[lo:hi + 1]) == 0, strategy, clock) if COLUMNAR else None
+        if groups is None:
+            by_key: list[list[WindowGroup] | None] = [None] * (hi - lo)
+        else:
+            by_key, formed = groups
+            counts = np.where(formed, 0, counts)
+            ev = ev.filter(np.repeat(~formed, np.diff(ev_off[lo:hi + 1])))
         elements = list(map(Element._make, zip(*(ev.column(c).to_pylist() for c in EVENT_COLUMNS), strict=True)))
         st = self.state.take(self.st_order[st_off[lo]:st_off[hi]])
         st_rows = list(zip(_us_column(st, "window_start"), _us_column(st, "window_end"),
                            st.column("state").to_pylist(), strict=True))
         del ev, st
-        e_off = (ev_off[lo:hi + 1] - ev_off[lo]).tolist()
+        e_off = np.concatenate([[0], np.cumsum(counts)]).tolist()
         s_off = (st_off[lo:hi + 1] - st_off[lo]).tolist()
-        return (self.keys.slice(lo, hi - lo).to_pylist(), [elements[a:b] for a, b in pairwise(e_off)],
-                [st_rows[a:b] for a, b in pairwise(s_off)])
+        return [KeyInput(key, elements[e0:e1], by_key[i], st_rows[s0:s1]) for i, (key, (e0, e1), (s0, s1))
+                in enumerate(zip(self.keys.slice(lo, hi - lo).to_pylist(), pairwise(e_off), pairwise(s_off),
+                                 strict=True))]
+
+
+class KeyInput(NamedTuple):
+    """One key's input to the per-key step: elements, or windows already formed on columns."""
+
+    key: str
+    elements: list[Element]
+    groups: list[WindowGroup] | None
+    state_rows: list[tuple[int, int, str]]
+
+
+def _formed(ev: pa.Table, counts: np.ndarray, stateless: np.ndarray, strategy: Strategy, clock: BatchClock
+            ) -> tuple[list[list[WindowGroup] | None], np.ndarray] | None:
+    """Windows formed on columns for the keys with elements, no stored windows and no late element: steps
+    1-3 of ``engine.process_key`` (assign, merge, group in arrival order) without an object per element.
+    Returns (each key's groups or None, which keys were formed), or None where the window function cannot
+    assign on columns. The per-element path stays the reference (``tests/test_fast_paths.py``)."""
+    wfn, lateness, w_in = strategy.window_fn, strategy.allowed_lateness, clock.input_watermark
+    key = np.repeat(np.arange(len(counts)), counts)
+    ts = pc.cast(ev.column("event_time"), pa.int64()).to_numpy()
+    assigned = wfn.assign_columns(ts)
+    if assigned is None:
+        return None
+    start, end = assigned
+    # an element is late if its window's garbage-collection time is at or behind the input watermark
+    forever = MAX_TS - lateness
+    late = np.where(end < forever, end <= w_in - lateness, MAX_TS <= w_in)
+    formed = stateless & (counts > 0) & (np.bincount(key[late], minlength=len(counts)) == 0)
+    if not formed.any():
+        return None
+    take = formed[key]
+    key, start, end = key[take], start[take], end[take]
+    if wfn.merging:
+        start, end = wfn.merge_columns(key, start, end)
+    ev = ev.filter(take)
+    # the element path's order: by window (a key's windows by start), then (arrival, event time, id)
+    arrival = ev.column("arrival_time")
+    order = pc.sort_indices(pa.table({"k": key, "s": start, "a": arrival, "t": ev.column("event_time"),
+                                      "id": ev.column("id")}),
+                            [(c, "ascending") for c in ("k", "s", "a", "t", "id")]).to_numpy()
+    k, s, e = key[order], start[order], end[order]
+    opens = np.empty(len(k), bool)
+    opens[:1] = True
+    np.logical_or(k[1:] != k[:-1], s[1:] != s[:-1], out=opens[1:])
+    firsts = np.flatnonzero(opens)
+    values = ev.column("value").take(order).to_pylist()
+    first_arrival = pc.cast(arrival, pa.int64()).to_numpy()[order[firsts]].tolist()
+    bounds = np.append(firsts, len(k)).tolist()
+    windows = list(map(Window, s[firsts].tolist(), e[firsts].tolist()))
+    groups = [WindowGroup(w, values[a:b], t) for w, (a, b), t in zip(windows, pairwise(bounds), first_arrival,
+                                                                       strict=True)]
+    # each formed key's windows: a slice of ``groups`` (keys ascending, each key's windows by start)
+    per_key = np.searchsorted(k[firsts], np.arange(len(counts) + 1)).tolist()
+    by_key = [groups[per_key[i]:per_key[i + 1]] if f else None for i, f in enumerate(formed.tolist())]
+    return by_key, formed
 
 
 def _current_rows(panes: list[tuple], gone: list[tuple[str, int, int]], discarding: bool) -> list[tuple]:
@@ -461,11 +530,10 @@ def _run_local(spec_json: str, clock: BatchClock, events: pa.Table, state: pa.Ta
     with _gc_paused():
         for lo, hi in layout.chunks():
             def part(a: int, b: int, lo: int = lo) -> _Assembly:
-                keys, elements, state_rows = layout.rows(lo + a, lo + b)
                 out = sink.empty_like()
                 rows: list[tuple] = []
-                for key, els, sts in zip(keys, elements, state_rows, strict=True):
-                    rows += key_rows(spec_json, clock, key, els, sts)
+                for key, els, groups, sts in layout.rows(lo + a, lo + b, _strategy(spec_json), clock):
+                    rows += key_rows(spec_json, clock, key, els, sts, groups)
                 out.add(rows)
                 return out
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from .timeutil import MAX_TS, MIN_TS, parse_duration
 
 
@@ -35,6 +37,11 @@ class Window(NamedTuple):
 GLOBAL_WINDOW = Window(MIN_TS, MAX_TS)
 
 
+def _fits(ts: np.ndarray, span: int) -> bool:
+    """Whether ``ts + span`` stays within int64 (Python's ints never overflow; numpy's would)."""
+    return not len(ts) or int(ts.max()) <= np.iinfo(np.int64).max - span
+
+
 class WindowFn:
     """Assign and merge: the two halves of a windowing strategy."""
 
@@ -46,6 +53,16 @@ class WindowFn:
     def merge(self, windows: list[Window]) -> list[tuple[Window, list[Window]]]:
         """Groups of windows that merge, as (result, members); singletons included."""
         return [(w, [w]) for w in sorted(set(windows))]
+
+    def assign_columns(self, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """``assign`` on a column of timestamps, for a function that gives each element one window:
+        (start, end) arrays. None (the default, and for a custom function) keeps the per-element path."""
+        return None
+
+    def merge_columns(self, key: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``merge`` on columns: each element's window after merging with the other windows of its key
+        (``key``: equal codes are one key). Only asked for keys without stored windows."""
+        return start, end
 
 
 class GlobalWindows(WindowFn):
@@ -61,6 +78,12 @@ class FixedWindows(WindowFn):
     def assign(self, ts: int) -> list[Window]:
         start = ts - (ts - self.offset) % self.size
         return [Window(start, start + self.size)]
+
+    def assign_columns(self, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        if type(self) is not FixedWindows or not _fits(ts, self.size):
+            return None
+        start = ts - (ts - self.offset) % self.size  # numpy's % floors like Python's
+        return start, start + self.size
 
 
 class SlidingWindows(WindowFn):
@@ -89,6 +112,30 @@ class Sessions(WindowFn):
 
     def assign(self, ts: int) -> list[Window]:
         return [Window(ts, ts + self.gap)]
+
+    def assign_columns(self, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        if type(self) is not Sessions or not _fits(ts, self.gap):
+            return None
+        return ts, ts + self.gap
+
+    def merge_columns(self, key: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Sorted by key and start, a window joins the session before it iff it starts before that
+        session's end, which (every window spanning ``gap``) is the previous window's end."""
+        n = len(start)
+        if not n:
+            return start, end
+        order = np.lexsort((start, key))
+        k, s, e = key[order], start[order], end[order]
+        opens = np.empty(n, bool)
+        opens[0] = True
+        np.logical_or(k[1:] != k[:-1], s[1:] >= e[:-1], out=opens[1:])
+        firsts = np.flatnonzero(opens)
+        lasts = np.append(firsts[1:] - 1, n - 1)
+        session = np.cumsum(opens) - 1
+        merged_start, merged_end = np.empty_like(start), np.empty_like(end)
+        merged_start[order] = s[firsts][session]
+        merged_end[order] = e[lasts][session]
+        return merged_start, merged_end
 
     def merge(self, windows: list[Window]) -> list[tuple[Window, list[Window]]]:
         out: list[tuple[Window, list[Window]]] = []
