@@ -114,8 +114,8 @@ def process_key(
     groups: Sequence[WindowGroup] | None = None,
 ) -> KeyResult:
     """``groups`` stands in for ``elements`` for a key without stored windows none of whose elements is
-    late: its windows already assigned and merged (``windows.WindowFn.columns``), so steps 1-3 make no
-    object per element."""
+    late: its windows already assigned and merged on columns (``WindowFn.assign_columns`` and
+    ``merge_columns``), so steps 1-3 make no object per element."""
     result = KeyResult()
     comb, trig = strategy.combiner, strategy.trigger
     live: dict[Window, WindowState] = {ws.window: ws for ws in stored}

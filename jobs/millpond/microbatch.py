@@ -315,13 +315,13 @@ class _KeyLayout:
         ev_off, st_off = self.ev_off, self.st_off
         ev = self.events.take(self.ev_order[ev_off[lo]:ev_off[hi]])
         counts = np.diff(ev_off[lo:hi + 1])
-        groups = _formed(ev, counts, np.diff(st_off[lo:hi + 1]) == 0, strategy, clock) if COLUMNAR else None
-        if groups is None:
+        got = _formed(ev, counts, np.diff(st_off[lo:hi + 1]) == 0, strategy, clock) if COLUMNAR else None
+        if got is None:
             by_key: list[list[WindowGroup] | None] = [None] * (hi - lo)
-        else:
-            by_key, formed = groups
+        else:  # the formed keys' elements are in their groups: only the others become objects
+            by_key, formed = got
+            ev = ev.filter(np.repeat(~formed, counts))
             counts = np.where(formed, 0, counts)
-            ev = ev.filter(np.repeat(~formed, np.diff(ev_off[lo:hi + 1])))
         elements = list(map(Element._make, zip(*(ev.column(c).to_pylist() for c in EVENT_COLUMNS), strict=True)))
         st = self.state.take(self.st_order[st_off[lo]:st_off[hi]])
         st_rows = list(zip(_us_column(st, "window_start"), _us_column(st, "window_end"),
