@@ -1,4 +1,5 @@
-"""The driver path's per-key step spread over forked workers gives the same tables as one process."""
+"""Every way to run the per-key step gives the same tables: one process, forked workers, with and without
+windows formed on columns, and Spark."""
 
 from __future__ import annotations
 
@@ -105,3 +106,50 @@ def test_forked_per_key_step_matches_one_process(settings, tables, pipeline_name
     for table in one:
         assert [r.replace(names[0], "P") for r in one[table]] == [r.replace(names[2], "P") for r in split[table]], table
     assert microbatch.LOCAL_THRESHOLD > spec_w.events  # both ran the driver path
+
+
+def test_spark_and_element_paths_match_the_driver_path(settings, tables, spark, pipeline_name, monkeypatch) -> None:
+    """Three batches and a flush of a Zipf stream with duplicates and late data (keys with and without
+    stored windows, late elements) through the driver path, the driver path without windows formed on
+    columns (the element path, its reference) and Spark's ``mapInArrow`` over 3 partitions."""
+    spec_w = WorkloadSpec(events=6_000, keys=400, batches=3, seed=9)
+    events = generate(spec_w)
+    store = ObjectStore(settings)
+    doc = {"window": {"type": "sessions", "gap": "5m"}, "aggregation": "sum",
+           "trigger": "AtWatermark(early=AfterDelay('1m'), late=AtCount(1))",
+           "accumulation": "accumulating_and_retracting", "allowed_lateness": "10m", "batch_interval": "5m",
+           "watermark": {"policy": "processing_time", "lag": "2m"}}
+    formed = []
+    real_formed = microbatch._formed
+
+    def counting(*args):
+        got = real_formed(*args)
+        formed.append(0 if got is None else int(got[1].sum()))
+        return got
+
+    monkeypatch.setattr(microbatch, "_formed", counting)
+    monkeypatch.setattr(cores, "WORKERS", 0)
+    partitions = spark.conf.get("spark.sql.shuffle.partitions")
+    spark.conf.set("spark.sql.shuffle.partitions", "3")
+    names, formed_by = {}, {}
+    try:
+        for path in ("driver", "element", "spark"):
+            name = names[path] = f"{pipeline_name}_{path}"
+            land(store, settings.bucket_landing, f"{name}/", spec_w, events)
+            spec = pipeline_from_dict({"name": name, "source": {"prefix": f"{name}/"}, **doc})
+            monkeypatch.setattr(microbatch, "COLUMNAR", path != "element")
+            monkeypatch.setattr(microbatch, "LOCAL_THRESHOLD", 0 if path == "spark" else 10**9)
+            for b in range(spec_w.batches + 1):
+                run_batch(settings, spec, to_datetime(spec_w.start_us + (b + 1) * spec_w.interval_us),
+                          spark=spark if path == "spark" else None)
+            formed_by[path], formed[:] = sum(formed), []
+    finally:
+        spark.conf.set("spark.sql.shuffle.partitions", partitions)
+    assert formed_by["driver"] > 0 and formed_by["element"] == 0  # the columnar path ran, and only there
+    driver = _tables(tables, names["driver"])
+    assert driver["panes"] and driver["current"] and driver["late"]
+    for path in ("element", "spark"):
+        other = _tables(tables, names[path])
+        for table in driver:
+            assert ([r.replace(names["driver"], "P") for r in driver[table]]
+                    == [r.replace(names[path], "P") for r in other[table]]), (path, table)

@@ -250,11 +250,12 @@ def key_rows(
 
 
 def process_group(
-    spec_json: str, clock: BatchClock, key: str, elements: list[Element], state_rows: list[tuple[int, int, str]]
+    spec_json: str, clock: BatchClock, key: str, elements: list[Element], state_rows: list[tuple[int, int, str]],
+    groups: list[WindowGroup] | None = None,
 ) -> list[tuple[str, str, str]]:
     """Run one key; return (row type, key, JSON payload) rows for the driver to commit."""
     return [(rtype, k, json.dumps(payload)) for rtype, k, payload in key_rows(spec_json, clock, key, elements,
-                                                                             state_rows)]
+                                                                             state_rows, groups)]
 
 
 def _chunks(offsets: np.ndarray, size: int) -> Iterator[tuple[int, int]]:
@@ -544,7 +545,8 @@ def _run_local(spec_json: str, clock: BatchClock, events: pa.Table, state: pa.Ta
 def _run_spark(spark, spec_json: str, clock: BatchClock, events: pa.Table, state: pa.Table, value_type: str,
                sink: _Assembly) -> None:
     """The per-key step on Spark: elements and state rows hashed by key into partitions, each partition
-    processed by one Python call (``mapInArrow``) that runs ``process_group`` key by key."""
+    processed by one Python call (``mapInArrow``) that lays it out as the driver path does (``_KeyLayout``)
+    and runs ``process_group`` key by key."""
     vtype = pa.int64() if value_type == "int" else pa.float64()
     n_ev, n_st = events.num_rows, state.num_rows
     schema = pa.schema([("key", pa.string()), ("id", pa.string()), ("value", vtype), ("event_time", pa.int64()),
@@ -564,19 +566,13 @@ def _run_spark(spark, spec_json: str, clock: BatchClock, events: pa.Table, state
         if not batches:
             return
         table = pa.Table.from_batches(batches)
-        cols = {name: table.column(name).to_pylist() for name in table.column_names}
-        by_key: dict[str, tuple[list[Element], list[tuple[int, int, str]]]] = {}
-        for i, key in enumerate(cols["key"]):
-            els, sts = by_key.setdefault(key, ([], []))
-            if cols["state"][i] is None:
-                els.append(Element(cols["id"][i], key, cols["value"][i], cols["event_time"][i],
-                                   cols["arrival_time"][i]))
-            else:
-                sts.append((cols["window_start"][i], cols["window_end"][i], cols["state"][i]))
+        is_state = table.column("state").is_valid()
+        layout = _KeyLayout.of(table.filter(pc.invert(is_state)).select(list(EVENT_COLUMNS)), table.filter(is_state))
+        strategy = _strategy(spec_json)
         out: list[tuple] = []
-        for key in sorted(by_key):
-            els, sts = by_key[key]
-            out += process_group(spec_json, clock, key, els, sts)
+        for lo, hi in layout.chunks():  # the driver path's layout: windows formed on columns where it can
+            for key, els, groups, sts in layout.rows(lo, hi, strategy, clock):
+                out += process_group(spec_json, clock, key, els, sts, groups)
         yield pa.RecordBatch.from_arrays(
             [pa.array([r[0] for r in out], pa.string()), pa.array([r[1] for r in out], pa.string()),
              pa.array([r[2] for r in out], pa.string())], names=["rtype", "key", "payload"])
@@ -613,8 +609,9 @@ class MicroBatch:
         #: (see ``_plan_landed``)
         self._plan_commit: Future | None = None
         self._upkeep: Future | None = None
-        #: threads beside the batch (the plan's commit, the upkeep step); joined before the lease goes
-        self._background = ThreadPoolExecutor(max_workers=2)
+        #: threads beside the batch (the plan's commit, the upkeep step): made by each ``run``, joined
+        #: before its lease goes
+        self._background: ThreadPoolExecutor
         self.settings = settings
         self.validate = validate
         self.quality = None
