@@ -62,6 +62,26 @@ def test_a_worker_error_reaches_the_job() -> None:
         cores.map_ranges(work, [1] * 4, workers=1, min_range=1)
 
 
+SESSIONS = {"window": {"type": "sessions", "gap": "5m"}, "aggregation": "sum",
+            "trigger": "AtWatermark(early=AfterDelay('1m'), late=AtCount(1))",
+            "accumulation": "accumulating_and_retracting", "batch_interval": "5m",
+            "watermark": {"policy": "processing_time", "lag": "2m"}}
+
+
+def _count_calls(monkeypatch, owner, name: str, measure) -> list[int]:
+    """Wrap ``owner.name``; the returned list gets ``measure(result)`` of every call."""
+    seen: list[int] = []
+    real = getattr(owner, name)
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append(measure(out))
+        return out
+
+    monkeypatch.setattr(owner, name, counting)
+    return seen
+
+
 def _tables(tables, name: str) -> dict[str, list]:
     out = {}
     for table in ("panes", "current", "windows", "late", "seen_ids", "batches"):
@@ -76,19 +96,8 @@ def test_forked_per_key_step_matches_one_process(settings, tables, pipeline_name
     spec_w = WorkloadSpec(events=12_000, keys=600, batches=3, seed=5)
     events = generate(spec_w)
     store = ObjectStore(settings)
-    doc = {"window": {"type": "sessions", "gap": "5m"}, "aggregation": "sum",
-           "trigger": "AtWatermark(early=AfterDelay('1m'), late=AtCount(1))",
-           "accumulation": "accumulating_and_retracting", "allowed_lateness": "1h", "batch_interval": "5m",
-           "watermark": {"policy": "processing_time", "lag": "2m"}}
-    forks = []
-    real_map = cores.map_ranges
-
-    def counting_map(work, weights, *args, **kwargs):
-        out = real_map(work, weights, *args, **kwargs)
-        forks.append(len(out) - 1)
-        return out
-
-    monkeypatch.setattr(cores, "map_ranges", counting_map)
+    doc = {**SESSIONS, "allowed_lateness": "1h"}
+    forks = _count_calls(monkeypatch, cores, "map_ranges", lambda out: len(out) - 1)
     names, forked = {}, {}
     for workers, min_range in ((0, cores.MIN_RANGE), (2, 500)):
         name = names[workers] = f"{pipeline_name}_w{workers}"
@@ -115,19 +124,8 @@ def test_spark_and_element_paths_match_the_driver_path(settings, tables, spark, 
     spec_w = WorkloadSpec(events=6_000, keys=400, batches=3, seed=9)
     events = generate(spec_w)
     store = ObjectStore(settings)
-    doc = {"window": {"type": "sessions", "gap": "5m"}, "aggregation": "sum",
-           "trigger": "AtWatermark(early=AfterDelay('1m'), late=AtCount(1))",
-           "accumulation": "accumulating_and_retracting", "allowed_lateness": "10m", "batch_interval": "5m",
-           "watermark": {"policy": "processing_time", "lag": "2m"}}
-    formed = []
-    real_formed = microbatch._formed
-
-    def counting(*args):
-        got = real_formed(*args)
-        formed.append(0 if got is None else int(got[1].sum()))
-        return got
-
-    monkeypatch.setattr(microbatch, "_formed", counting)
+    doc = {**SESSIONS, "allowed_lateness": "10m"}
+    formed = _count_calls(monkeypatch, microbatch, "_formed", lambda got: 0 if got is None else int(got[1].sum()))
     monkeypatch.setattr(cores, "WORKERS", 0)
     partitions = spark.conf.get("spark.sql.shuffle.partitions")
     spark.conf.set("spark.sql.shuffle.partitions", "3")
