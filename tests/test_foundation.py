@@ -70,6 +70,41 @@ def test_replace_is_one_commit_at_its_base_version_and_an_append_after(tables: T
     assert ids() == ["a1", "a2", "b", "c"]
 
 
+def test_read_whole_reads_each_data_file_once_and_sees_every_kind_of_commit(tables: Tables,
+                                                                             pipeline_name: str) -> None:
+    """The bookkeeping tables are read whole by every batch: files read before are reused (a Delta data
+    file never changes), and appends, compactions, overwrites, MERGEs and another writer's commits all
+    give the rows ``read_arrow`` gives, in its order."""
+    schema = pa.schema([("k", pa.string()), ("v", pa.int64())])
+    assert tables.read_whole(pipeline_name, "t", schema) == schema.empty_table()  # not created yet
+
+    def same() -> pa.Table:
+        got = tables.read_whole(pipeline_name, "t", schema)
+        assert got.equals(tables.read_arrow(pipeline_name, "t"))
+        return got
+
+    tables.append(pipeline_name, "t", pa.table({"k": ["k0"], "v": [0]}, schema=schema))
+    same()
+    kept = tables._file_rows[tables.uri(pipeline_name, "t")]
+    for i in range(1, 4):
+        tables.append(pipeline_name, "t", pa.table({"k": [f"k{i}"], "v": [i]}, schema=schema))
+        before = dict(kept.files)
+        assert sorted(same().column("v").to_pylist()) == list(range(i + 1))
+        assert all(kept.files[p] is rows for p, rows in before.items())  # reused, not read again
+        assert len(kept.files) == len(before) + 1
+    assert tables.compact(pipeline_name, "t", over_files=2)
+    assert sorted(same().column("v").to_pylist()) == [0, 1, 2, 3] and len(kept.files) == 1
+    tables.merge(pipeline_name, "t", pa.table({"k": ["k1", "k9"], "v": [10, 9]}, schema=schema), on=["k"])
+    assert sorted(same().column("v").to_pylist()) == [0, 2, 3, 9, 10]
+    # another process's commit, seen through the snapshot's update
+    code = ("import pyarrow as pa, sys; from millpond.config import load_settings; from millpond.tables import Tables; "
+            f"Tables(load_settings()).append({pipeline_name!r}, 't', pa.table({{'k': ['x'], 'v': [42]}}))")
+    subprocess.run([sys.executable, "-c", code], check=True)  # the session's store, from the environment
+    assert 42 in same().column("v").to_pylist()
+    tables.overwrite(pipeline_name, "t", pa.table({"k": ["z"], "v": [7]}, schema=schema))
+    assert same().to_pylist() == [{"k": "z", "v": 7}] and len(kept.files) == 1
+
+
 def test_reads_at_a_version_see_that_version_in_any_order_and_from_any_thread(tables: Tables,
                                                                                pipeline_name: str) -> None:
     """A batch reads its state at the versions its plan pinned; the one snapshot kept per table for

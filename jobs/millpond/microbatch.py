@@ -626,10 +626,10 @@ class MicroBatch:
 
     # history -----------------------------------------------------------------------------------
     def committed(self) -> pa.Table:
-        return self.tables.read_arrow(self.name, "batches", schema=BATCHES_SCHEMA)
+        return self.tables.read_whole(self.name, "batches", BATCHES_SCHEMA)
 
     def ingest_log(self) -> pa.Table:
-        return self.tables.read_arrow(self.name, "ingest_log", schema=PLAN_SCHEMA)
+        return self.tables.read_whole(self.name, "ingest_log", PLAN_SCHEMA)
 
     def plan_of(self, batch: int, log: pa.Table | None = None) -> dict[str, Any] | None:
         log = (self.ingest_log() if log is None else log).filter(pc.field("batch") == batch)

@@ -121,6 +121,19 @@ _PINNED: dict[tuple[str, str], dict[str, _Pinned]] = {}
 _PINNED_LOCK = threading.Lock()
 
 
+@dataclass
+class _FileRows:
+    """The rows of one table's data files as this process last read them, by file path."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    schema: pa.Schema | None = None
+    files: dict[str, pa.Table] = field(default_factory=dict)
+
+
+_FILE_ROWS: dict[tuple[str, str], dict[str, _FileRows]] = {}
+_FILE_ROWS_LOCK = threading.Lock()
+
+
 class Tables:
     """Delta tables of the lake, addressed by pipeline and name."""
 
@@ -138,6 +151,8 @@ class Tables:
         # Snapshots for reads at a numbered version (a batch reads its state at the versions its plan
         # pinned), kept apart from the latest ones, which this process's commits move.
         self._pinned = _PINNED.setdefault((settings.s3_endpoint, settings.s3_access_key), {})
+        # Rows of the data files that ``read_whole`` has read, shared like the snapshots.
+        self._file_rows = _FILE_ROWS.setdefault((settings.s3_endpoint, settings.s3_access_key), {})
         #: tables this object created by writing their first rows (version 0, not opened since)
         self._created: set[str] = set()
 
@@ -231,6 +246,36 @@ class Tables:
                 return dt.to_pyarrow_dataset().to_table(filter=filters, columns=columns)
             except Exception as exc:  # noqa: BLE001
                 raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
+
+    def read_whole(self, pipeline: str, name: str, schema: pa.Schema) -> pa.Table:
+        """Every row of a small, unpartitioned table at its latest version, reading only the data files
+        this process has not read before. A Delta data file never changes once written, so its rows can
+        be kept by path: an append adds one file to read, a compaction one file (the files it removed
+        drop out). For the bookkeeping tables that each batch reads whole: a process that runs many
+        batches (`millpond run`, replay, backfill) then reads one new file per table and batch, not a
+        number of files that grows until the next compaction. Same rows, in the same order, as
+        ``read_arrow``; an absent table reads as empty with ``schema``."""
+        uri = self.uri(pipeline, name)
+        dt = self.open(pipeline, name)
+        if dt is None:
+            return schema.empty_table()
+        try:
+            if dt.metadata().partition_columns:  # a file's partition values are not in its rows
+                return dt.to_pyarrow_dataset().to_table()
+            dataset = dt.to_pyarrow_dataset()
+            with _FILE_ROWS_LOCK:
+                kept = self._file_rows.setdefault(uri, _FileRows())
+            with kept.lock:
+                if kept.schema is None or not kept.schema.equals(dataset.schema):
+                    kept.schema, kept.files = dataset.schema, {}
+                files = {}
+                for fragment in dataset.get_fragments():
+                    rows = kept.files.get(fragment.path)
+                    files[fragment.path] = fragment.to_table(schema=dataset.schema) if rows is None else rows
+                kept.files = files
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+        return pa.concat_tables(files.values()) if files else dataset.schema.empty_table()
 
     def select(
         self,
