@@ -97,7 +97,7 @@ def test_read_whole_reads_each_data_file_once_and_sees_every_kind_of_commit(tabl
     tables.merge(pipeline_name, "t", pa.table({"k": ["k1", "k9"], "v": [10, 9]}, schema=schema), on=["k"])
     assert sorted(same().column("v").to_pylist()) == [0, 2, 3, 9, 10]
     # another process's commit, seen through the snapshot's update
-    code = ("import pyarrow as pa, sys; from millpond.config import load_settings; from millpond.tables import Tables; "
+    code = ("import pyarrow as pa; from millpond.config import load_settings; from millpond.tables import Tables; "
             f"Tables(load_settings()).append({pipeline_name!r}, 't', pa.table({{'k': ['x'], 'v': [42]}}))")
     subprocess.run([sys.executable, "-c", code], check=True)  # the session's store, from the environment
     assert 42 in same().column("v").to_pylist()

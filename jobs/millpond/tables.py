@@ -260,9 +260,9 @@ class Tables:
         if dt is None:
             return schema.empty_table()
         try:
-            if dt.metadata().partition_columns:  # a file's partition values are not in its rows
-                return dt.to_pyarrow_dataset().to_table()
             dataset = dt.to_pyarrow_dataset()
+            if dt.metadata().partition_columns:  # a file's partition values are not in its rows
+                return dataset.to_table()
             with _FILE_ROWS_LOCK:
                 kept = self._file_rows.setdefault(uri, _FileRows())
             with kept.lock:
