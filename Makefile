@@ -51,7 +51,7 @@ lint: venv
 	$(VENV)/bin/ruff check jobs dags tests
 
 bench: venv
-	$(MILLPOND) bench
+	$(PY) -m bench $(ARGS)
 
 query: venv
 	@$(MILLPOND) query "$(SQL)"

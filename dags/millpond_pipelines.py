@@ -1,5 +1,5 @@
-"""Airflow DAGs: one per ``conf/pipelines/*.yaml`` (ids ``millpond_<name>``); the shape lives in millpond.dagfactory."""
+"""Airflow DAGs: one per ``conf/pipelines/*.yaml`` (ids ``millpond_<name>``); their shape: millpond.orchestration."""
 
-from millpond.dagfactory import build_dags
+from millpond.orchestration.dagfactory import build_dags
 
 globals().update(build_dags())

@@ -85,10 +85,10 @@ def start_test_stack(conf_dir: Path):
     Returns (stack, settings the stack's tasks see). Live schedules are off so nothing but the tests'
     own runs touches the tables.
     """
-    from millpond.airflow_stack import AirflowStack, airflow_config
     from millpond.config import load_settings
-    from millpond.objectstore import ObjectStore
-    from millpond.services import free_port
+    from millpond.lake.objectstore import ObjectStore
+    from millpond.orchestration.airflow_stack import AirflowStack, airflow_config
+    from millpond.orchestration.processes import free_port
 
     overrides = {
         "MILLPOND_CONF_DIR": str(conf_dir),

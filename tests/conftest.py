@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from millpond.config import Settings, load_settings
-from millpond.services import EmbeddedStore, isolated_store_env
-from millpond.tables import Tables
+from millpond.lake.tables import Tables
+from millpond.orchestration.store import EmbeddedStore, isolated_store_env
 
 
 def free_store_env(home: Path) -> dict[str, str]:
@@ -51,7 +51,7 @@ def tables(settings: Settings) -> Tables:
 
 @pytest.fixture(scope="session")
 def spark(settings: Settings):
-    from millpond.spark import get_spark
+    from millpond.runtime.spark_session import get_spark
 
     session = get_spark(settings, app_name="millpond-tests", shuffle_partitions=2)
     yield session

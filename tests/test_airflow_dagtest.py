@@ -16,7 +16,7 @@ import airflow_env
 import pyarrow as pa
 import pytest
 from millpond.config import Settings
-from millpond.tables import Tables
+from millpond.lake.tables import Tables
 
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
 STEP = timedelta(minutes=5)
@@ -81,7 +81,7 @@ def test_dry_run_param_writes_nothing(settings: Settings, conf_dir: Path, monkey
 
 def test_backfill_equals_live_runs(settings: Settings, conf_dir: Path, airflow_stack,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from millpond.backfill import Backfill
+    from millpond.orchestration.backfill import Backfill
 
     stack, stack_settings = airflow_stack
     # Three live runs, in-process.

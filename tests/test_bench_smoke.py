@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from millpond.bench import Plan, ratio_table, run_bench
-from millpond.ingest import parse_file
-from millpond.workload import WorkloadSpec, generate, jsonl_bytes
+from millpond.lake.landing import parse_file
+
+from bench.harness import Plan, ratio_table, run_bench
+from bench.workload import WorkloadSpec, generate, jsonl_bytes
 
 pytestmark = pytest.mark.timeout(120)
 

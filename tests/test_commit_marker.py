@@ -8,12 +8,12 @@ import json
 
 import pyarrow as pa
 from deltalake import DeltaTable
-from millpond.ingest import arrival_tag
-from millpond.microbatch import OUTPUT_TABLES, run_batch
-from millpond.objectstore import ObjectStore
-from millpond.pipeline import pipeline_from_dict
-from millpond.tables import Tables, Txn
-from millpond.timeutil import to_us
+from millpond.lake.landing import arrival_tag
+from millpond.lake.objectstore import ObjectStore
+from millpond.lake.tables import Tables, Txn
+from millpond.model.spec import pipeline_from_dict
+from millpond.model.timeutil import to_us
+from millpond.runtime.microbatch import OUTPUT_TABLES, run_batch
 from test_state_bounds import land, minute
 
 

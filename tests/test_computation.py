@@ -14,23 +14,15 @@ from datetime import UTC, datetime, timedelta
 import pyarrow as pa
 import pytest
 import yaml
-from millpond.computation import (
-    Computation,
-    ComputationBatch,
-    Context,
-    Record,
-    Timer,
-    load_computation,
-    output_watermark,
-    run_key,
-)
-from millpond.engine import BatchClock
-from millpond.ingest import arrival_tag
-from millpond.microbatch import run_batch
-from millpond.objectstore import ObjectStore
-from millpond.pipeline import pipeline_from_dict
-from millpond.timeutil import US, iso, to_us
-from millpond.zeitgeist import query_stream
+from millpond.examples.zeitgeist import query_stream
+from millpond.lake.landing import arrival_tag
+from millpond.lake.objectstore import ObjectStore
+from millpond.model.computation import Computation, Context, Record, Timer, load_computation, run_key
+from millpond.model.spec import pipeline_from_dict
+from millpond.model.step import BatchClock
+from millpond.model.timeutil import US, iso, to_us
+from millpond.runtime.computation import ComputationBatch, output_watermark
+from millpond.runtime.microbatch import run_batch
 
 T0 = datetime(2026, 4, 1, 12, 0, tzinfo=UTC)
 MIN = 60 * US
@@ -84,10 +76,10 @@ def test_config_validation() -> None:
     with pytest.raises(ValueError, match="cannot be loaded"):
         pipeline_from_dict({**base, "computation": "test_computation:Nope"})
     with pytest.raises(ValueError, match="not a subclass"):
-        pipeline_from_dict({**base, "computation": "millpond.engine:BatchClock"})
+        pipeline_from_dict({**base, "computation": "millpond.model.step:BatchClock"})
     with pytest.raises(ValueError, match="bad options"):
-        pipeline_from_dict({**base, "computation": {"class": "millpond.zeitgeist:Zeitgeist", "colour": "red"}})
-    assert load_computation({"class": "millpond.zeitgeist:Zeitgeist", "k": 3}).k == 3.0
+        pipeline_from_dict({**base, "computation": {"class": "millpond.examples.zeitgeist:Zeitgeist", "colour": "red"}})
+    assert load_computation({"class": "millpond.examples.zeitgeist:Zeitgeist", "k": 3}).k == 3.0
 
 
 def test_state_and_timers_across_batches_and_restarts(settings, tables, pipeline_name) -> None:
@@ -167,7 +159,7 @@ LATE = 20
 
 
 def zeitgeist_doc(name: str) -> dict:
-    return {"name": name, "source": {"prefix": f"{name}/"}, "computation": "millpond.zeitgeist:Zeitgeist",
+    return {"name": name, "source": {"prefix": f"{name}/"}, "computation": "millpond.examples.zeitgeist:Zeitgeist",
             "batch_interval": "1m", "watermark": {"policy": "processing_time", "lag": "5s"},
             "dedup": {"horizon": "10m"}}
 
@@ -233,7 +225,7 @@ def test_zeitgeist_quiet_on_steady_traffic() -> None:
     rates = {f"k{i}": 5.0 + 7 * i for i in range(6)}
     events = [(e["id"], e["key"], to_us(e["event_time"]), to_us(e["arrival_time"]))
               for e in query_stream(at(0), 360, rates, seed="steady")]
-    comp = load_computation("millpond.zeitgeist:Zeitgeist")
+    comp = load_computation("millpond.examples.zeitgeist:Zeitgeist")
     state: dict[str, str | None] = {}
     timers: dict[str, dict[str, Timer]] = defaultdict(dict)
     produced, fired, wm = [], 0, at(-1)

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from millpond.pipeline import pipeline_from_dict
-from millpond.replay import read_events, replay
+from millpond.model.spec import pipeline_from_dict
+from millpond.surface.replay import read_events, replay
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 EVENTS = read_events(SCENARIOS / "fig14_sessions_retracting.jsonl")
@@ -146,7 +146,7 @@ def test_fig14_sessions_retracting_via_cli(settings, tmp_path) -> None:
 @pytest.mark.parametrize("partitions", [1, 3])
 def test_fig14_on_spark_matches_driver_path(settings, spark, tables, pipeline_name, monkeypatch, partitions) -> None:
     """The per-key step on Spark (cogroup + applyInPandas) gives the same tables at any parallelism."""
-    from millpond import microbatch
+    from millpond.runtime import microbatch
 
     spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
     doc = {"name": pipeline_name, "window": {"type": "sessions", "gap": "1m"},

@@ -7,12 +7,13 @@ import os
 
 import pyarrow as pa
 import pytest
-from millpond import cores, microbatch
-from millpond.microbatch import run_batch
-from millpond.objectstore import ObjectStore
-from millpond.pipeline import pipeline_from_dict
-from millpond.timeutil import to_datetime
-from millpond.workload import WorkloadSpec, generate, land
+from millpond.lake.objectstore import ObjectStore
+from millpond.model.spec import pipeline_from_dict
+from millpond.model.timeutil import to_datetime
+from millpond.runtime import cores, microbatch
+from millpond.runtime.microbatch import run_batch
+
+from bench.workload import WorkloadSpec, generate, land
 
 pytestmark = pytest.mark.skipif(not cores.can_fork(), reason="forked workers are Linux-only")
 

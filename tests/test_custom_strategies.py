@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from millpond.aggregations import Combiner
-from millpond.pipeline import pipeline_from_dict
-from millpond.replay import replay
-from millpond.timeutil import parse_duration
-from millpond.windows import Window, WindowFn
+from millpond.model.aggregations import Combiner
+from millpond.model.spec import pipeline_from_dict
+from millpond.model.timeutil import parse_duration
+from millpond.model.windows import Window, WindowFn
+from millpond.surface.replay import replay
 
 
 class Bursts(WindowFn):
@@ -88,7 +88,7 @@ def test_custom_window_and_combiner_through_the_job(settings, tables, pipeline_n
 def test_unknown_custom_class_is_a_clear_error() -> None:
     import pytest
 
-    with pytest.raises(ValueError, match="not a millpond.windows.WindowFn"):
+    with pytest.raises(ValueError, match="not a millpond.model.windows.WindowFn"):
         pipeline_from_dict({"name": "x", "window": {"type": "custom", "class": "test_custom_strategies:DistinctCount"}})
     with pytest.raises(ValueError, match="unknown aggregation"):
         pipeline_from_dict({"name": "x", "aggregation": "median"})
@@ -98,7 +98,7 @@ def test_a_window_s_elements_added_together_equal_one_by_one() -> None:
     """The engine hands a window its batch's elements at once (``add_all``): every builtin combiner and a
     user combiner without an override give what ``add`` gives element by element, onto an accumulator
     that already holds earlier batches, float rounding included (a regrouped float sum differs)."""
-    from millpond.aggregations import BUILTIN
+    from millpond.model.aggregations import BUILTIN
 
     floats = [1.0, 1.0, -1e16, 0.1, 0.3]  # onto 1e16: 1.0 is below its rounding step, 2.0 is not
     ints = [5, -3, 12, 0, 7]

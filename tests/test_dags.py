@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import airflow_env  # noqa: F401  (configures Airflow before it is imported)
 import pytest
 import yaml
-from millpond import dagfactory
-from millpond.backfill import align, parse_time
 from millpond.config import DEFAULT_CONF_DIR, load_settings
+from millpond.orchestration import dagfactory
+from millpond.orchestration.backfill import align, parse_time
 
 TASKS = ["ingest", "process_microbatch", "validate", "publish"]
 
@@ -93,14 +93,13 @@ def test_each_pipeline_file_gets_a_dag_and_a_broken_one_is_skipped(conf_dir: Pat
     assert bag.dags["millpond_beta"].timetable.expression == "0 */1 * * *"
 
 
-def test_live_runs_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_live_runs_can_be_switched_off() -> None:
     scheduled = {"dag_run": SimpleNamespace(run_type="scheduled")}
+    off = load_settings(env={"MILLPOND_AIRFLOW_SCHEDULED_RUNS": "false"})
     for run_type in ("manual", "backfill"):
-        monkeypatch.setenv("MILLPOND_AIRFLOW_SCHEDULED_RUNS", "false")
-        assert not dagfactory.live_run_skipped({"dag_run": SimpleNamespace(run_type=run_type)})
-    assert dagfactory.live_run_skipped(scheduled)
-    monkeypatch.setenv("MILLPOND_AIRFLOW_SCHEDULED_RUNS", "true")
-    assert not dagfactory.live_run_skipped(scheduled)
+        assert not dagfactory.live_run_skipped({"dag_run": SimpleNamespace(run_type=run_type)}, off)
+    assert dagfactory.live_run_skipped(scheduled, off)
+    assert not dagfactory.live_run_skipped(scheduled, load_settings(env={"MILLPOND_AIRFLOW_SCHEDULED_RUNS": "true"}))
 
 
 def test_processing_time_is_interval_end_or_run_after() -> None:
@@ -124,10 +123,9 @@ def test_backfill_bounds_and_progress() -> None:
     assert dagfactory.backfill_progress({}, a, interval) is None
 
 
-def test_demo_needs_pipeline_config_and_a_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MILLPOND_DEMO", raising=False)
-    assert not dagfactory.demo_enabled(True, {"demo": False})
-    assert dagfactory.demo_enabled(True, {"demo": True})
-    assert not dagfactory.demo_enabled(False, {"demo": True})
-    monkeypatch.setenv("MILLPOND_DEMO", "1")
-    assert dagfactory.demo_enabled(True, {})
+def test_demo_needs_pipeline_config_and_a_switch() -> None:
+    plain, demo = load_settings(env={}), load_settings(env={"MILLPOND_DEMO": "1"})
+    assert not dagfactory.demo_enabled(plain, True, {"demo": False})
+    assert dagfactory.demo_enabled(plain, True, {"demo": True})
+    assert not dagfactory.demo_enabled(plain, False, {"demo": True})
+    assert dagfactory.demo_enabled(demo, True, {})

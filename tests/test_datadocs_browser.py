@@ -18,10 +18,10 @@ from urllib.parse import urlparse
 
 import pandas as pd
 import pytest
-from millpond import quality_suites as qs
 from millpond.config import PROJECT_ROOT, Settings
-from millpond.datadocs import build_data_docs
-from millpond.quality import validate_batch
+from millpond.quality import suites as qs
+from millpond.quality.datadocs import build_data_docs
+from millpond.quality.validation import validate_batch
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -679,7 +679,7 @@ def java_semantics(beam: list[dict[str, Any]], spec: dict[str, Any]) -> list[dic
 
 
 def beam_env_duration_us(value: Any) -> int:
-    from millpond.timeutil import parse_duration
+    from millpond.model.timeutil import parse_duration
 
     return parse_duration(value)
 

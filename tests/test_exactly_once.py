@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from millpond import microbatch
 from millpond.errors import LeaseLost, MillpondError
-from millpond.microbatch import OUTPUT_TABLES, committed_versions
-from millpond.replay import load_scenario_pipeline, read_events, replay
-from millpond.services import EmbeddedStore
-from millpond.tables import Tables
+from millpond.lake.tables import Tables
+from millpond.orchestration.store import EmbeddedStore
+from millpond.runtime import microbatch
+from millpond.runtime.microbatch import OUTPUT_TABLES, committed_versions
+from millpond.surface.replay import load_scenario_pipeline, read_events, replay
 
 SCENARIO = Path(__file__).parent / "scenarios"
 PIPELINE = SCENARIO / "exactly_once.yaml"
@@ -110,7 +110,7 @@ def test_two_runs_at_once_exactly_one_commits(settings, tables, pipeline_name, t
     conf = tmp_path / "p.yaml"
     doc = yaml.safe_load(PIPELINE.read_text())
     conf.write_text(yaml.safe_dump({**doc, "name": pipeline_name, "source": {"prefix": f"{pipeline_name}/"}}))
-    from millpond.objectstore import ObjectStore
+    from millpond.lake.objectstore import ObjectStore
 
     ObjectStore(settings).put_bytes(settings.bucket_landing, f"{pipeline_name}/arrival=20260101T120000Z-a.jsonl",
                                     EVENTS.read_bytes().splitlines(keepends=True)[0])
@@ -135,7 +135,7 @@ def test_two_runs_at_once_exactly_one_commits(settings, tables, pipeline_name, t
 
 def test_zombie_loses_its_lease(settings, pipeline_name) -> None:
     """A run whose lease was taken over (it paused too long) cannot commit: the token fences it."""
-    from millpond.lease import Lease
+    from millpond.lake.lease import Lease
 
     old = Lease.acquire(settings, pipeline_name, owner="zombie", ttl_s=0.0)
     new = Lease.acquire(settings, pipeline_name, owner="successor")

@@ -13,14 +13,16 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from millpond import engine, microbatch, triggers
-from millpond.engine import BatchClock, Element, gc_time, timers
-from millpond.microbatch import EVENT_COLUMNS, _Assembly, _run_local, _strategy, key_rows
-from millpond.pipeline import pipeline_from_dict
-from millpond.state import WINDOWS_SCHEMA, WindowState
-from millpond.timeutil import MAX_TS
-from millpond.triggers import merge_states, parse_trigger
-from millpond.windows import Sessions, Window
+from millpond.model import step as engine
+from millpond.model import triggers
+from millpond.model.spec import pipeline_from_dict
+from millpond.model.state import WINDOWS_SCHEMA, WindowState
+from millpond.model.step import BatchClock, Element, gc_time, timers
+from millpond.model.timeutil import MAX_TS
+from millpond.model.triggers import merge_states, parse_trigger
+from millpond.model.windows import Sessions, Window
+from millpond.runtime import microbatch
+from millpond.runtime.microbatch import EVENT_COLUMNS, _Assembly, _run_local, _strategy, key_rows
 
 MIN = 60_000_000
 

@@ -8,9 +8,9 @@ import sys
 import pyarrow as pa
 import pytest
 from millpond.errors import BadCredentials, BucketMissing, MillpondError, StoreUnreachable
-from millpond.objectstore import ObjectStore
-from millpond.services import EmbeddedStore
-from millpond.tables import Tables, Txn
+from millpond.lake.objectstore import ObjectStore
+from millpond.lake.tables import Tables, Txn
+from millpond.orchestration.store import EmbeddedStore
 
 
 def rows(t: pa.Table) -> list[dict]:
@@ -97,7 +97,7 @@ def test_read_whole_reads_each_data_file_once_and_sees_every_kind_of_commit(tabl
     tables.merge(pipeline_name, "t", pa.table({"k": ["k1", "k9"], "v": [10, 9]}, schema=schema), on=["k"])
     assert sorted(same().column("v").to_pylist()) == [0, 2, 3, 9, 10]
     # another process's commit, seen through the snapshot's update
-    code = ("import pyarrow as pa; from millpond.config import load_settings; from millpond.tables import Tables; "
+    code = ("import pyarrow as pa; from millpond.config import load_settings; from millpond.lake.tables import Tables; "
             f"Tables(load_settings()).append({pipeline_name!r}, 't', pa.table({{'k': ['x'], 'v': [42]}}))")
     subprocess.run([sys.executable, "-c", code], check=True)  # the session's store, from the environment
     assert 42 in same().column("v").to_pylist()

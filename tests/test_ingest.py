@@ -6,11 +6,11 @@ import json
 from datetime import UTC, datetime
 
 import pyarrow.compute as pc
-from millpond.ingest import arrival_tag
-from millpond.microbatch import run_batch
-from millpond.objectstore import ObjectStore
-from millpond.pipeline import pipeline_from_dict
-from millpond.timeutil import to_us
+from millpond.lake.landing import arrival_tag
+from millpond.lake.objectstore import ObjectStore
+from millpond.model.spec import pipeline_from_dict
+from millpond.model.timeutil import to_us
+from millpond.runtime.microbatch import run_batch
 
 P = datetime(2026, 3, 1, 12, 5, tzinfo=UTC)
 ARRIVAL = arrival_tag(to_us(datetime(2026, 3, 1, 12, 0, tzinfo=UTC)))

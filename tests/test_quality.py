@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from millpond import quality_suites as qs
 from millpond.config import Settings
-from millpond.datadocs import build_data_docs, external_refs, publish_data_docs
-from millpond.objectstore import ObjectStore
-from millpond.quality import EXPECTATIONS_DIR, get_context, validate_batch
+from millpond.lake.objectstore import ObjectStore
+from millpond.quality import suites as qs
+from millpond.quality.context import get_context
+from millpond.quality.datadocs import build_data_docs, external_refs, publish_data_docs
+from millpond.quality.validation import validate_batch
 
 PT = datetime(2026, 1, 1, 13, 0, tzinfo=UTC)
 
@@ -75,10 +76,10 @@ def only(messages: list[str], needle: str) -> list[str]:
 
 # -- suites ------------------------------------------------------------------------------------
 def test_committed_suites_match_definitions_and_are_not_rewritten(tmp_path: Path, settings: Settings) -> None:
-    before = {p.name: p.read_bytes() for p in EXPECTATIONS_DIR.glob("*.json")}
+    before = {p.name: p.read_bytes() for p in settings.expectations_path.glob("*.json")}
     assert set(before) == {f"{s}.json" for s in qs.SUITES}
     get_context(settings.with_overrides(home=tmp_path))  # a fresh runtime home: get-or-create only
-    assert {p.name: p.read_bytes() for p in EXPECTATIONS_DIR.glob("*.json")} == before
+    assert {p.name: p.read_bytes() for p in settings.expectations_path.glob("*.json")} == before
     for suite, expected in qs.suite_definitions().items():
         committed = json.loads(before[f"{suite}.json"])["expectations"]
         stripped = [{"type": e["type"], "kwargs": e["kwargs"], "meta": e["meta"]} for e in committed]
@@ -223,8 +224,7 @@ def test_data_docs_build_offline(settings: Settings, pipeline_name: str) -> None
 
 
 def test_results_are_pruned(tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MILLPOND_DQ_KEEP_RESULTS", "2")
-    local = settings.with_overrides(home=tmp_path)
+    local = settings.with_overrides(home=tmp_path, dq_keep_results=2)
     pages = [validate_batch(local, "prune", b, raw=good_raw(), panes=None, state=None).result_urls[0]
              for b in range(4)]
     kept = sorted((tmp_path / "gx" / "validations" / qs.RAW).rglob("*.json"))
@@ -249,7 +249,7 @@ def test_publish_data_docs(settings: Settings, pipeline_name: str) -> None:
 
 
 def test_docs_cli_builds(settings: Settings) -> None:
-    from millpond.cli import main
+    from millpond.surface.cli import main
 
     assert main(["docs", "--no-serve"]) == 0
 

@@ -13,8 +13,8 @@ from datetime import UTC, datetime, timedelta
 import pyarrow as pa
 import pytest
 from millpond.errors import MillpondError
-from millpond.query import history, render, rewrite, run_query
-from millpond.tables import Tables
+from millpond.lake.tables import Tables
+from millpond.surface.query import history, render, rewrite, run_query
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 TS = pa.timestamp("us", tz="UTC")

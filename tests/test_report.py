@@ -11,9 +11,9 @@ from datetime import UTC, datetime, timedelta
 import pyarrow as pa
 import pytest
 from millpond.errors import MillpondError
-from millpond.objectstore import ObjectStore
-from millpond.report import build, normalize_batches
-from millpond.tables import Tables
+from millpond.lake.objectstore import ObjectStore
+from millpond.lake.tables import Tables
+from millpond.surface.report import build, normalize_batches
 
 TS = pa.timestamp("us", tz="UTC")
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

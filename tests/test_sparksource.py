@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
 import pytest
-from millpond.sparksource import read, register
-from millpond.tables import Tables
+from millpond.lake.sparksource import read, register
+from millpond.lake.tables import Tables
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 TS = pa.timestamp("us", tz="UTC")

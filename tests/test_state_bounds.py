@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 
-from millpond.ingest import arrival_tag
-from millpond.microbatch import COMPACT_OVER_FILES, MicroBatch, run_batch
-from millpond.objectstore import ObjectStore
-from millpond.pipeline import pipeline_from_dict
-from millpond.timeutil import to_us
+from millpond.lake.landing import arrival_tag
+from millpond.lake.objectstore import ObjectStore
+from millpond.model.spec import pipeline_from_dict
+from millpond.model.timeutil import to_us
+from millpond.runtime.microbatch import COMPACT_OVER_FILES, MicroBatch, run_batch
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 

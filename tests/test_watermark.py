@@ -8,13 +8,13 @@ from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
 from deltalake import DeltaTable
-from millpond.ingest import arrival_tag
-from millpond.microbatch import SEEN_FOLD_OVER_FILES, run_batch
-from millpond.objectstore import ObjectStore
-from millpond.pipeline import pipeline_from_dict
-from millpond.tables import Tables
-from millpond.timeutil import US, to_us
-from millpond.watermark import WatermarkPolicy, advance
+from millpond.lake.landing import arrival_tag
+from millpond.lake.objectstore import ObjectStore
+from millpond.lake.tables import Tables
+from millpond.model.spec import pipeline_from_dict
+from millpond.model.timeutil import US, to_us
+from millpond.model.watermark import WatermarkPolicy, advance
+from millpond.runtime.microbatch import SEEN_FOLD_OVER_FILES, run_batch
 
 T0 = datetime(2026, 4, 1, 12, 0, tzinfo=UTC)
 

@@ -1,7 +1,7 @@
 import os
 import sys
 
-from .cli import main
+from millpond.surface.cli import main
 
 code = main()
 # Exit without interpreter teardown: native runtimes (delta-rs/DataFusion, Arrow thread pools) can abort

@@ -1,0 +1,47 @@
+"""`make bench`: our engine against peers on the same data, in one run (see bench/README.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from millpond.config import PROJECT_ROOT
+
+from bench.harness import PLANS, main_bench, ratio_table
+
+
+def _configure(p: argparse.ArgumentParser) -> None:
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="~3-minute smoke (small sizes); writes var/bench/")
+    size.add_argument("--full", action="store_true", help="add 10M events (long; needs several GiB of memory)")
+    p.add_argument("--no-beam", action="store_true", help="skip the Beam peer (its venv is built on first use)")
+    p.add_argument("--out", help="results JSON (default bench/results.json; var/bench/results-quick.json for --quick)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    _configure(parser)
+    args = parser.parse_args(argv)
+    plan = PLANS["quick" if args.quick else "full" if args.full else "default"]
+    if args.no_beam:
+        plan = replace(plan, beam=False)
+    default_out = (PROJECT_ROOT / "var/bench/results-quick.json") if args.quick else (
+        PROJECT_ROOT / "bench/results.json")
+    out = Path(args.out) if args.out else default_out
+    started = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    doc = main_bench(plan, out, log=log)
+    print(ratio_table(doc["records"]))
+    for note in doc["notes"]:
+        print(f"note: {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

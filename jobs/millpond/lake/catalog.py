@@ -1,0 +1,77 @@
+"""What the lake holds: its pipelines and tables, a table's snapshot as of a version or a time, and SQL
+over snapshots (DataFusion through delta-rs). The query surface asks here; it never opens Delta itself."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import pyarrow as pa
+from deltalake import DeltaTable, QueryBuilder
+
+from millpond.config import Settings
+from millpond.errors import MillpondError
+from millpond.lake.objectstore import ObjectStore, translate
+from millpond.lake.tables import Tables
+from millpond.model.timeutil import to_us
+
+
+def _subfolders(settings: Settings, prefix: str) -> list[str]:
+    """Immediate 'folders' under ``prefix`` in the lake bucket (a delimiter listing, not a scan)."""
+    store = ObjectStore(settings)
+    try:
+        objects = list(store.mc.list_objects(settings.bucket_lake, prefix=prefix, recursive=False))
+    except Exception as exc:  # noqa: BLE001 - every SDK failure is translated
+        raise translate(exc, settings, settings.bucket_lake) from exc
+    return sorted(o.object_name[len(prefix):].strip("/") for o in objects if o.is_dir)
+
+
+def lake_pipelines(settings: Settings) -> list[str]:
+    """Pipelines that have at least one table in the lake."""
+    return _subfolders(settings, f"{settings.table_root.strip('/')}/")
+
+
+def lake_tables(settings: Settings, pipeline: str) -> list[str]:
+    """Tables of one pipeline in the lake (folders holding a ``_delta_log``)."""
+    root = f"{settings.table_root.strip('/')}/{pipeline}/"
+    return [t for t in _subfolders(settings, root) if "_delta_log" in _subfolders(settings, f"{root}{t}/")]
+
+
+def version_at(dt: DeltaTable, when: datetime) -> int | None:
+    """The newest version committed at or before ``when``, by the commits' own timestamps.
+
+    delta-rs resolves timestamps by the log files' modification times, which SeaweedFS keeps to
+    the second: commits within one second were indistinguishable. The commit timestamps (ms, the
+    ones ``history`` shows) are exact.
+    """
+    limit_ms = to_us(when) // 1000
+    found = [int(h["version"]) for h in dt.history() if int(h.get("timestamp", 0)) <= limit_ms]
+    return max(found) if found else None
+
+
+def open_snapshot(tables: Tables, pipeline: str, name: str, version: int | None = None,
+                  timestamp: datetime | None = None, label: str = "") -> DeltaTable:
+    """The snapshot of ``pipeline.name`` at a version or a time, or a one-line error naming the tables that exist."""
+    dt = tables.open(pipeline, name, version)
+    if dt is None:
+        have = lake_tables(tables.settings, pipeline)
+        hint = (f"tables of {pipeline}: {', '.join(have)}" if have
+                else f"pipelines with tables: {', '.join(lake_pipelines(tables.settings)) or 'none yet'}")
+        raise MillpondError(f"unknown table {pipeline}.{name} ({hint})")
+    if timestamp is not None:
+        at = version_at(dt, timestamp)
+        if at is None:
+            raise MillpondError(f"{label or pipeline + '.' + name}: the table did not exist yet at that time")
+        dt = tables.open(pipeline, name, at)
+    return dt
+
+
+def execute_sql(snapshots: dict[str, DeltaTable], sql: str) -> pa.Table:
+    """Run ``sql`` with each snapshot registered under its name; errors become one line."""
+    builder = QueryBuilder()
+    for name, dt in snapshots.items():
+        builder = builder.register(name, dt)
+    try:
+        return pa.table(builder.execute(sql).read_all())
+    except Exception as exc:  # noqa: BLE001 - DataFusion/delta-rs errors become one line
+        msg = " ".join(str(exc).split())
+        raise MillpondError(f"query failed: {msg[:400]}") from exc

@@ -1,0 +1,151 @@
+"""S3 access through the ``minio`` SDK: works against MinIO, SeaweedFS or AWS alike.
+
+Every failure a user can cause (store down, wrong keys, missing bucket) becomes a one-line
+:class:`~millpond.errors.MillpondError` instead of a urllib3 stack trace.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import urllib3
+from minio import Minio
+from minio.error import S3Error
+
+from millpond.config import Settings
+from millpond.errors import BadCredentials, BucketMissing, MillpondError, StoreUnreachable
+
+_BAD_KEYS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken"}
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    bucket: str
+    key: str
+    size: int
+    etag: str
+    last_modified: float
+
+
+def client(settings: Settings) -> Minio:
+    url = urlparse(settings.s3_endpoint)
+    # Fail fast: a stopped store must give a clear error in seconds, not after minutes of retries.
+    http = urllib3.PoolManager(
+        maxsize=16,  # a batch reads its files on 8 threads beside other requests: keep their connections
+        timeout=urllib3.Timeout(connect=3, read=60),
+        retries=urllib3.Retry(total=2, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
+    )
+    return Minio(
+        url.netloc,
+        access_key=settings.s3_access_key,
+        secret_key=settings.s3_secret_key,
+        secure=url.scheme == "https",
+        region=settings.s3_region,
+        http_client=http,
+    )
+
+
+def translate(exc: BaseException, settings: Settings, bucket: str | None = None) -> MillpondError:
+    """Map SDK and network failures to actionable one-line errors."""
+    if isinstance(exc, MillpondError):
+        return exc
+    if isinstance(exc, S3Error):
+        if exc.code in _BAD_KEYS:
+            return BadCredentials(
+                f"object store at {settings.s3_endpoint} refused the credentials ({exc.code}): "
+                "check MILLPOND_S3_ACCESS_KEY / MILLPOND_S3_SECRET_KEY"
+            )
+        if exc.code == "NoSuchBucket":
+            return BucketMissing(
+                f"bucket '{bucket or exc.bucket_name}' does not exist at {settings.s3_endpoint}: "
+                "run `make up` (creates the buckets) or set MILLPOND_BUCKET_*"
+            )
+        return MillpondError(f"object store error {exc.code}: {exc.message}")
+    if isinstance(exc, (urllib3.exceptions.HTTPError, OSError)):
+        return StoreUnreachable(
+            f"object store unreachable at {settings.s3_endpoint}: start it with `make up` "
+            "or set MILLPOND_S3_ENDPOINT"
+        )
+    return MillpondError(f"object store error: {exc}")
+
+
+class ObjectStore:
+    """The few object-store operations the product needs, with clear errors."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.mc = client(settings)
+
+    def _call(self, fn, *args, bucket: str | None = None, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - every SDK failure is translated
+            raise translate(exc, self.settings, bucket) from exc
+
+    def check(self) -> None:
+        """Raise the clear error if the store is down, the keys are wrong or a bucket is missing."""
+        existing = {b.name for b in self._call(self.mc.list_buckets)}
+        for bucket in self.settings.buckets:
+            if bucket not in existing:
+                raise translate(S3Error(None, "NoSuchBucket", "", "", "", "", bucket), self.settings, bucket)
+
+    def ensure_buckets(self) -> list[str]:
+        """Create the configured buckets that are missing; return those created."""
+        created = []
+        for bucket in self.settings.buckets:
+            if not self._call(self.mc.bucket_exists, bucket, bucket=bucket):
+                self._call(self.mc.make_bucket, bucket, bucket=bucket)
+                created.append(bucket)
+        return created
+
+    def probe_reads(self) -> None:
+        """Read one byte of one stored object per bucket. A restarted store answers listings before its
+        volumes serve data again (SeaweedFS: a GET meanwhile fails with 500), so "up" waits for this."""
+        for bucket in self.settings.buckets:
+            first = self._call(lambda b=bucket: next(iter(self.mc.list_objects(b, recursive=True)), None),
+                               bucket=bucket)
+            if first is not None and not first.is_dir and (first.size or 0) > 0:
+                resp = self._call(self.mc.get_object, bucket, first.object_name, offset=0, length=1, bucket=bucket)
+                resp.close()
+                resp.release_conn()
+
+    def put_bytes(self, bucket: str, key: str, data: bytes, content_type: str = "application/octet-stream") -> None:
+        self._call(
+            self.mc.put_object, bucket, key, io.BytesIO(data), len(data), content_type=content_type, bucket=bucket
+        )
+
+    def get_bytes(self, bucket: str, key: str) -> bytes:
+        resp = self._call(self.mc.get_object, bucket, key, bucket=bucket)
+        try:
+            return resp.read()
+        finally:
+            resp.close()
+            resp.release_conn()
+
+    def list(self, bucket: str, prefix: str = "") -> Iterator[StoredObject]:
+        objects = self._call(lambda: list(self.mc.list_objects(bucket, prefix=prefix, recursive=True)), bucket=bucket)
+        for o in objects:
+            if o.is_dir:
+                continue
+            yield StoredObject(
+                bucket, o.object_name, o.size or 0, (o.etag or "").strip('"'),
+                o.last_modified.timestamp() if o.last_modified else 0.0,
+            )
+
+    def upload_dir(self, bucket: str, prefix: str, root) -> int:
+        """Upload a local folder (e.g. Data Docs) under ``prefix``; return the number of files."""
+        import mimetypes
+        from pathlib import Path
+
+        n = 0
+        for path in sorted(Path(root).rglob("*")):
+            if path.is_file():
+                key = f"{prefix.rstrip('/')}/{path.relative_to(root).as_posix()}"
+                # A content type per file so the site is browsable straight from the bucket.
+                ctype = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+                self._call(self.mc.fput_object, bucket, key, str(path), content_type=ctype, bucket=bucket)
+                n += 1
+        return n

@@ -1,0 +1,224 @@
+"""A Spark Python Data Source over the lake's Delta tables, read through delta-rs.
+
+Spark here has neither the Delta jars nor hadoop-aws, so ``spark.read.format("delta")`` cannot work.
+This source plans on the driver with delta-rs (the snapshot's data files, with time travel) and
+reads each file in a Python worker with pyarrow, yielding Arrow record batches:
+
+    register(spark, settings)
+    df = spark.read.format("millpond").option("table", "video_sessions.panes").option("versionAsOf", 3).load()
+
+Credentials travel as options (``accessKey``/``secretKey``: names Spark redacts from plans) taken
+from :class:`~millpond.config.Settings`; without them the source loads the settings itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlparse
+
+import pyarrow as pa
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+from pyspark.sql.types import StructType
+
+from millpond.config import Settings
+
+FORMAT = "millpond"
+_BATCH_ROWS = 65_536
+
+
+def settings_options(settings: Settings) -> dict[str, str]:
+    """The options that let a worker reach the object store (from settings, never hard-coded)."""
+    return {
+        "endpoint": settings.s3_endpoint,
+        "region": settings.s3_region,
+        "accessKey": settings.s3_access_key,
+        "secretKey": settings.s3_secret_key,
+        "bucket": settings.bucket_lake,
+        "tableRoot": settings.table_root,
+    }
+
+
+class FilePartition(InputPartition):
+    """One data file of the snapshot, with the partition values Delta keeps out of the file."""
+
+    def __init__(self, index: int, path: str | None, partition_values: dict[str, Any]) -> None:
+        super().__init__(index)
+        self.path = path
+        self.partition_values = partition_values
+
+
+def _options_settings(options: dict[str, str]) -> Settings:
+    from millpond.config import load_settings
+
+    base = load_settings()
+    changes = {k: options[o] for k, o in (
+        ("s3_endpoint", "endpoint"), ("s3_region", "region"), ("s3_access_key", "accesskey"),
+        ("s3_secret_key", "secretkey"), ("bucket_lake", "bucket"), ("table_root", "tableroot"),
+    ) if options.get(o)}
+    return base.with_overrides(**changes)
+
+
+def _arrow_schema(dt) -> pa.Schema:
+    return pa.schema(dt.schema().to_arrow())
+
+
+class MillpondDataSource(DataSource):
+    """``spark.read.format("millpond").option("table", "pipeline.name")``; options ``versionAsOf``,
+    ``timestampAsOf``; S3 options ``endpoint``, ``region``, ``accessKey``, ``secretKey``, ``bucket``,
+    ``tableRoot`` (default: the process's Millpond settings)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def _lookup(self) -> tuple[Settings, Any]:
+        """The delta-rs snapshot the options name.
+
+        Only the resolved version is kept on ``self`` (the source is pickled between planning steps
+        and a DeltaTable is not), so ``timestampAsOf`` resolves once and schema and files agree.
+        """
+        from millpond.errors import MillpondError
+        from millpond.lake.tables import Tables
+        from millpond.model.timeutil import to_datetime, to_us
+
+        opts = {k.lower(): v for k, v in self.options.items()}
+        table = opts.get("table") or opts.get("path")
+        if not table or "." not in table:
+            raise MillpondError('the millpond source needs .option("table", "pipeline.name")')
+        pipeline, _, name = table.partition(".")
+        settings = _options_settings(opts)
+        version = getattr(self, "_version", None)
+        if version is None and opts.get("versionasof") not in (None, ""):
+            version = int(opts["versionasof"])
+        dt = Tables(settings).open(pipeline, name, version)
+        if dt is None:
+            raise MillpondError(f"unknown table {table}")
+        stamp = opts.get("timestampasof")
+        if stamp and version is None:
+            from millpond.lake.catalog import version_at
+
+            at = version_at(dt, to_datetime(to_us(stamp)))
+            if at is None:
+                raise MillpondError(f"{table}: the table did not exist yet at {stamp}")
+            dt = Tables(settings).open(pipeline, name, at)
+        self._version = dt.version()
+        return settings, dt
+
+    def schema(self) -> StructType:
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        _settings, dt = self._lookup()
+        return from_arrow_schema(_arrow_schema(dt), prefer_timestamp_ntz=False)
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        settings, dt = self._lookup()
+        return MillpondReader(settings, dt)
+
+
+class MillpondReader(DataSourceReader):
+    """Plans on the driver (file list of the snapshot); reads one file per Spark partition."""
+
+    def __init__(self, settings: Settings, dt) -> None:
+        self.schema = _arrow_schema(dt)
+        features = set(dt.protocol().reader_features or [])
+        if "deletionVectors" in features or "columnMapping" in features:
+            from millpond.errors import MillpondError
+
+            raise MillpondError(f"{dt.table_uri}: deletion vectors / column mapping are not supported by this reader")
+        actions = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
+        uris = dt.file_uris()
+        by_name = {u.rsplit("/", 1)[-1]: u for u in uris}
+        self.files: list[tuple[str, dict[str, Any]]] = []
+        for a in actions:
+            uri = by_name.get(str(a["path"]).rsplit("/", 1)[-1], a["path"])
+            parts = {k[len("partition."):]: v for k, v in a.items() if k.startswith("partition.")}
+            self.files.append((uri, parts))
+        self.storage = {
+            "endpoint": settings.s3_endpoint, "region": settings.s3_region,
+            "access_key": settings.s3_access_key, "secret_key": settings.s3_secret_key,
+        }
+
+    def partitions(self) -> list[InputPartition]:
+        if not self.files:  # an empty snapshot still needs one (empty) partition
+            return [FilePartition(0, None, {})]
+        return [FilePartition(i, uri, parts) for i, (uri, parts) in enumerate(self.files)]
+
+    def _filesystem(self, uri: str):
+        from pyarrow import fs
+
+        parsed = urlparse(uri)
+        if parsed.scheme in ("s3", "s3a"):
+            endpoint = urlparse(self.storage["endpoint"])
+            filesystem = fs.S3FileSystem(
+                access_key=self.storage["access_key"], secret_key=self.storage["secret_key"],
+                region=self.storage["region"], endpoint_override=endpoint.netloc or self.storage["endpoint"],
+                scheme=endpoint.scheme or "https", connect_timeout=3, request_timeout=60,
+            )
+            return filesystem, f"{parsed.netloc}{parsed.path}"
+        if parsed.scheme == "file":
+            return fs.LocalFileSystem(), parsed.path
+        return fs.LocalFileSystem(), uri
+
+    def read(self, partition: FilePartition) -> Iterator[pa.RecordBatch]:
+        import pyarrow.parquet as pq
+
+        if partition.path is None:
+            return
+        filesystem, path = self._filesystem(partition.path)
+        with filesystem.open_input_file(path) as handle:
+            pf = pq.ParquetFile(handle)
+            present = set(pf.schema_arrow.names)
+            wanted = [n for n in self.schema.names if n in present]
+            for batch in pf.iter_batches(batch_size=_BATCH_ROWS, columns=wanted):
+                yield self._conform(batch, partition.partition_values)
+
+    def _conform(self, batch: pa.RecordBatch, partition_values: dict[str, Any]) -> pa.RecordBatch:
+        """Columns in table order and types: partition values filled in, columns added later null."""
+        arrays = []
+        for f in self.schema:
+            if f.name in batch.schema.names:
+                col = batch.column(f.name)
+                arrays.append(col if col.type == f.type else col.cast(f.type))
+            elif f.name in partition_values:
+                arrays.append(pa.array([partition_values[f.name]] * batch.num_rows).cast(f.type))
+            else:
+                arrays.append(pa.nulls(batch.num_rows, f.type))
+        return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+
+
+def register(spark, settings: Settings | None = None, pipelines: list[str] | None = None) -> dict[str, str]:
+    """Register the source with ``spark``; with ``pipelines``, also one temp view per table.
+
+    Views are named ``<pipeline>_<table>`` (Spark temp views are single-part names); returns
+    {view name: "pipeline.table"}.
+    """
+    spark.dataSource.register(MillpondDataSource)
+    views: dict[str, str] = {}
+    if not pipelines:
+        return views
+    from millpond.lake.catalog import lake_tables
+
+    if settings is None:
+        from millpond.config import load_settings
+
+        settings = load_settings()
+    for pipeline in pipelines:
+        for table in lake_tables(settings, pipeline):
+            view = f"{pipeline}_{table}"
+            read(spark, f"{pipeline}.{table}", settings).createOrReplaceTempView(view)
+            views[view] = f"{pipeline}.{table}"
+    return views
+
+
+def read(spark, table: str, settings: Settings | None = None, *, version: int | None = None,
+         timestamp: str | None = None):
+    """A DataFrame of ``pipeline.table`` (optionally at a version or time) through this source."""
+    reader = spark.read.format(FORMAT).option("table", table)
+    if settings is not None:
+        reader = reader.options(**settings_options(settings))
+    if version is not None:
+        reader = reader.option("versionAsOf", str(version))
+    if timestamp is not None:
+        reader = reader.option("timestampAsOf", str(timestamp))
+    return reader.load()

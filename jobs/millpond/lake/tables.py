@@ -1,0 +1,531 @@
+"""The one module that touches Delta tables (through delta-rs).
+
+Everything else asks for tables by (pipeline, name). A cluster deployment with the Delta jars can
+swap this module for one built on delta-spark; the rest of the code does not change.
+
+Idempotency: every write may carry an application transaction ``(app_id, version)``; a write whose
+version is not newer than the one already recorded in the table is skipped, so a retried batch
+never applies the same commit twice (MillWheel's exactly-once, on the Delta log).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import (
+    ColumnProperties,
+    CommitProperties,
+    DeltaTable,
+    PostCommitHookProperties,
+    QueryBuilder,
+    Transaction,
+    WriterProperties,
+    write_deltalake,
+)
+from deltalake.exceptions import TableNotFoundError
+
+from millpond.config import Settings
+from millpond.errors import MillpondError
+
+#: Checkpoint every 10 commits: opening a table replays at most 10 JSON commits, however long its history.
+TABLE_CONFIG = {"delta.checkpointInterval": "10"}
+
+
+@dataclass(frozen=True)
+class Txn:
+    """An application transaction: (app_id, version) recorded in the Delta log with the commit."""
+
+    app_id: str
+    version: int
+
+
+def storage_options(settings: Settings) -> dict[str, str]:
+    return {
+        "AWS_ENDPOINT_URL": settings.s3_endpoint,
+        "AWS_ACCESS_KEY_ID": settings.s3_access_key,
+        "AWS_SECRET_ACCESS_KEY": settings.s3_secret_key,
+        "AWS_REGION": settings.s3_region,
+        "AWS_ALLOW_HTTP": "true" if settings.s3_endpoint.startswith("http://") else "false",
+        "AWS_S3_ALLOW_UNSAFE_RENAME": "false",
+        "conditional_put": "etag",
+        "timeout": "30s",
+        "connect_timeout": "3s",
+    }
+
+
+def _writer_properties(unique: Sequence[str]) -> WriterProperties | None:
+    """No dictionary for columns of (nearly) unique values, e.g. record ids: the writer would build one,
+    find it as large as the column and fall back to plain encoding. Measured on 100k ids: the write took
+    half the time."""
+    if not unique:
+        return None
+    return WriterProperties(column_properties={c: ColumnProperties(dictionary_enabled=False) for c in unique})
+
+
+def _commit(txn: Txn | None) -> CommitProperties | None:
+    if txn is None:
+        return None
+    return CommitProperties(app_transactions=[Transaction(app_id=txn.app_id, version=txn.version)])
+
+
+def _endpoint_down(endpoint: str | None) -> bool:
+    """True if nothing accepts connections at the store's endpoint (a request cut mid-way by a store
+    that stopped surfaces from delta-rs as a bare "Generic S3 error")."""
+    import socket
+    from urllib.parse import urlparse
+
+    if not endpoint:
+        return False
+    url = urlparse(endpoint)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=1):
+            return False
+    except OSError:
+        return True
+
+
+def _wrap(exc: Exception, uri: str, endpoint: str | None = None) -> MillpondError:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    lowered = text.lower()
+    if ("connect" in lowered or "dns" in lowered or "timed out" in lowered or "error sending request" in lowered
+            or ("generic s3 error" in lowered and _endpoint_down(endpoint))):
+        return MillpondError(f"object store unreachable while accessing {uri}: start it with `make up` ({text[:160]})")
+    if "invalidaccesskeyid" in lowered or "signaturedoesnotmatch" in lowered or "403" in lowered:
+        return MillpondError(f"object store refused the credentials for {uri}: check MILLPOND_S3_ACCESS_KEY/SECRET_KEY")
+    if "concurrent" in lowered or "conflict" in lowered or "version already exists" in lowered:
+        return MillpondError(f"concurrent commit to {uri}: another run of this pipeline committed first ({text[:160]})")
+    if "nosuchbucket" in lowered:
+        return MillpondError(f"bucket missing for {uri}: run `make up` (creates the buckets)")
+    return MillpondError(f"Delta operation on {uri} failed: {text[:300]}")
+
+
+_SNAPSHOTS: dict[tuple[str, str], dict[str, DeltaTable]] = {}
+
+
+@dataclass
+class _Pinned:
+    """One table's snapshot for reads at a numbered version, and the lock its reader holds."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    dt: DeltaTable | None = None
+
+
+_PINNED: dict[tuple[str, str], dict[str, _Pinned]] = {}
+_PINNED_LOCK = threading.Lock()
+
+
+@dataclass
+class _FileRows:
+    """The rows of one table's data files as this process last read them, by file path."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    schema: pa.Schema | None = None
+    files: dict[str, pa.Table] = field(default_factory=dict)
+
+
+_FILE_ROWS: dict[tuple[str, str], dict[str, _FileRows]] = {}
+_FILE_ROWS_LOCK = threading.Lock()
+
+
+class Tables:
+    """Delta tables of the lake, addressed by pipeline and name."""
+
+    def __init__(self, settings: Settings, auto_checkpoint: bool = True) -> None:
+        self.settings = settings
+        self.options = storage_options(settings)
+        # False: commits never write a checkpoint themselves; the writer calls ``checkpoint`` when it
+        # chooses (the micro-batch job spreads them over batches, see ``MicroBatch._maintain``).
+        self._hooks = None if auto_checkpoint else PostCommitHookProperties(create_checkpoint=False)
+        # Latest snapshots, shared by every Tables object of this process and refreshed incrementally
+        # (only the commits since are read): a batch opens each table several times, and a process that
+        # runs many batches (`millpond run`, replay, the bench) would otherwise read each table's
+        # checkpoint and log again per batch.
+        self._latest = _SNAPSHOTS.setdefault((settings.s3_endpoint, settings.s3_access_key), {})
+        # Snapshots for reads at a numbered version (a batch reads its state at the versions its plan
+        # pinned), kept apart from the latest ones, which this process's commits move.
+        self._pinned = _PINNED.setdefault((settings.s3_endpoint, settings.s3_access_key), {})
+        # Rows of the data files that ``read_whole`` has read, shared like the snapshots.
+        self._file_rows = _FILE_ROWS.setdefault((settings.s3_endpoint, settings.s3_access_key), {})
+        #: tables this object created by writing their first rows (version 0, not opened since)
+        self._created: set[str] = set()
+
+    def uri(self, pipeline: str, name: str) -> str:
+        return self.settings.table_uri(pipeline, name)
+
+    # -- opening -----------------------------------------------------------------------------
+    def open(self, pipeline: str, name: str, version: int | str | None = None) -> DeltaTable | None:
+        """The table, or None if it was never created. ``version``: number or ISO timestamp."""
+        uri = self.uri(pipeline, name)
+        cached = self._latest.get(uri) if version is None else None
+        try:
+            if cached is not None:
+                cached.update_incremental()
+                return cached
+            dt = DeltaTable(uri, storage_options=self.options, version=version if isinstance(version, int) else None)
+        except TableNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+        if isinstance(version, str):
+            dt.load_as_version(version)
+        if version is None:
+            self._latest[uri] = dt
+        return dt
+
+    @contextlib.contextmanager
+    def _at(self, pipeline: str, name: str, version: int | str | None) -> Iterator[DeltaTable | None]:
+        """The table at ``version`` while the block reads it. A numbered version never changes, so one
+        snapshot per table serves them all, moved to each version asked for: delta-rs then reads only
+        the commits in between, where opening the table anew reads its checkpoint and every commit
+        since (a cost that grows until the next checkpoint). The lock holds it still during the read."""
+        if not isinstance(version, int):
+            yield self.open(pipeline, name, version)
+            return
+        uri = self.uri(pipeline, name)
+        with _PINNED_LOCK:
+            pinned = self._pinned.setdefault(uri, _Pinned())
+        with pinned.lock:
+            if pinned.dt is None:
+                pinned.dt = self.open(pipeline, name, version)
+            elif pinned.dt.version() != version:
+                try:
+                    pinned.dt.load_as_version(version)
+                except Exception as exc:  # noqa: BLE001
+                    pinned.dt = None
+                    raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+            yield pinned.dt
+
+    def exists(self, pipeline: str, name: str) -> bool:
+        return self.open(pipeline, name) is not None
+
+    def ensure(
+        self, pipeline: str, name: str, schema: pa.Schema, partition_by: Sequence[str] | None = None,
+        stats_columns: Sequence[str] | None = None,
+    ) -> DeltaTable:
+        """Open or create. ``stats_columns`` limits file statistics to the columns readers filter on
+        (large JSON columns get none: cheaper commits, and truncated string stats stay out of pruning)."""
+        dt = self.open(pipeline, name)
+        if dt is not None:
+            return dt
+        uri = self.uri(pipeline, name)
+        try:
+            dt = DeltaTable.create(
+                uri, schema, mode="ignore", partition_by=list(partition_by) if partition_by else None,
+                storage_options=self.options, name=f"{pipeline}.{name}", configuration=_table_config(stats_columns),
+            )
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+        self._latest[uri] = dt
+        return dt
+
+    # -- reading -----------------------------------------------------------------------------
+    def read_arrow(
+        self,
+        pipeline: str,
+        name: str,
+        *,
+        filters: Any = None,
+        columns: list[str] | None = None,
+        version: int | str | None = None,
+        schema: pa.Schema | None = None,
+    ) -> pa.Table:
+        """Rows as Arrow; an absent table reads as empty with ``schema`` when given."""
+        with self._at(pipeline, name, version) as dt:
+            if dt is None:
+                if schema is None:
+                    raise MillpondError(f"table {pipeline}.{name} does not exist yet")
+                return schema.empty_table()
+            try:
+                return dt.to_pyarrow_dataset().to_table(filter=filters, columns=columns)
+            except Exception as exc:  # noqa: BLE001
+                raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
+
+    def read_whole(self, pipeline: str, name: str, schema: pa.Schema) -> pa.Table:
+        """Every row of a small, unpartitioned table at its latest version, reading only the data files
+        this process has not read before. A Delta data file never changes once written, so its rows can
+        be kept by path: an append adds one file to read, a compaction one file (the files it removed
+        drop out). For the bookkeeping tables that each batch reads whole: a process that runs many
+        batches (`millpond run`, replay, backfill) then reads one new file per table and batch, not a
+        number of files that grows until the next compaction. Same rows, in the same order, as
+        ``read_arrow``; an absent table reads as empty with ``schema``."""
+        uri = self.uri(pipeline, name)
+        dt = self.open(pipeline, name)
+        if dt is None:
+            return schema.empty_table()
+        try:
+            dataset = dt.to_pyarrow_dataset()
+            if dt.metadata().partition_columns:  # a file's partition values are not in its rows
+                return dataset.to_table()
+            with _FILE_ROWS_LOCK:
+                kept = self._file_rows.setdefault(uri, _FileRows())
+            with kept.lock:
+                if kept.schema is None or not kept.schema.equals(dataset.schema):
+                    kept.schema, kept.files = dataset.schema, {}
+                files = {}
+                for fragment in dataset.get_fragments():
+                    rows = kept.files.get(fragment.path)
+                    files[fragment.path] = fragment.to_table(schema=dataset.schema) if rows is None else rows
+                kept.files = files
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+        return pa.concat_tables(files.values()) if files else dataset.schema.empty_table()
+
+    def select(
+        self,
+        pipeline: str,
+        name: str,
+        where: str | None = None,
+        *,
+        columns: list[str] | None = None,
+        version: int | str | None = None,
+        schema: pa.Schema | None = None,
+    ) -> pa.Table:
+        """Rows matching a SQL predicate, through DataFusion (file pruning on Delta statistics).
+
+        Preferred over pyarrow filters: files written by MERGE hold ``string_view`` columns, which
+        pyarrow's statistics pruning cannot compare with plain strings.
+        """
+        cols = ", ".join(f'"{c}"' for c in columns) if columns else "*"
+        sql = f"SELECT {cols} FROM t" + (f" WHERE {where}" if where else "")
+        with self._at(pipeline, name, version) as dt:
+            if dt is None:
+                if schema is None:
+                    raise MillpondError(f"table {pipeline}.{name} does not exist yet")
+                return schema.empty_table() if columns is None else schema.empty_table().select(columns)
+            try:
+                reader = QueryBuilder().register("t", dt).execute(sql)
+                table = pa.RecordBatchReader.from_stream(reader).read_all()
+            except Exception as exc:  # noqa: BLE001
+                raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
+        return plain_strings(table)
+
+    def read_spark(self, spark, pipeline: str, name: str, **kwargs):
+        """A Spark DataFrame of the table (read through delta-rs, handed over as Arrow)."""
+        return spark.createDataFrame(self.read_arrow(pipeline, name, **kwargs))
+
+    def history(self, pipeline: str, name: str, limit: int | None = None) -> list[dict[str, Any]]:
+        dt = self.open(pipeline, name)
+        return [] if dt is None else dt.history(limit)
+
+    def version(self, pipeline: str, name: str) -> int | None:
+        dt = self.open(pipeline, name)
+        return None if dt is None else dt.version()
+
+    def txn_version(self, pipeline: str, name: str, app_id: str) -> int | None:
+        dt = self.open(pipeline, name)
+        return None if dt is None else dt.transaction_version(app_id)
+
+    # -- writing -----------------------------------------------------------------------------
+    def already_applied(self, dt: DeltaTable | None, txn: Txn | None) -> bool:
+        if dt is None or txn is None:
+            return False
+        done = dt.transaction_version(txn.app_id)
+        return done is not None and done >= txn.version
+
+    def append(self, pipeline: str, name: str, data: pa.Table, txn: Txn | None = None,
+               partition_by: Sequence[str] | None = None, unique: Sequence[str] = ()) -> bool:
+        """Append rows; False if ``txn`` was already applied (the retry is skipped). ``unique``: columns
+        whose values (nearly) never repeat, written without a dictionary (see ``_writer_properties``)."""
+        return self._write(pipeline, name, data, "append", txn, partition_by, unique)
+
+    def overwrite(self, pipeline: str, name: str, data: pa.Table, txn: Txn | None = None) -> bool:
+        return self._write(pipeline, name, data, "overwrite", txn, None)
+
+    def _write(self, pipeline: str, name: str, data: pa.Table, mode: str, txn: Txn | None,
+               partition_by: Sequence[str] | None, unique: Sequence[str] = ()) -> bool:
+        uri = self.uri(pipeline, name)
+        dt = self.open(pipeline, name)
+        if self.already_applied(dt, txn):
+            return False
+        try:
+            if dt is None:  # the first write creates the table: its version 0 holds these rows
+                write_deltalake(uri, data, mode=mode, partition_by=list(partition_by) if partition_by else None,
+                                storage_options=self.options, commit_properties=_commit(txn),
+                                configuration=TABLE_CONFIG, post_commithook_properties=self._hooks,
+                                writer_properties=_writer_properties(unique))
+                self._created.add(uri)
+            else:
+                write_deltalake(dt, data, mode=mode, commit_properties=_commit(txn),
+                                post_commithook_properties=self._hooks, writer_properties=_writer_properties(unique))
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+        return True
+
+    def merge(
+        self,
+        pipeline: str,
+        name: str,
+        source: pa.Table,
+        on: Sequence[str],
+        *,
+        delete_when: str | None = None,
+        txn: Txn | None = None,
+        partition_by: Sequence[str] | None = None,
+        stats_columns: Sequence[str] | None = None,
+        target_filter: str | None = None,
+    ) -> dict[str, Any] | None:
+        """Upsert ``source`` by the ``on`` columns in one Delta commit.
+
+        Rows matching ``delete_when`` (a predicate over ``s.`` source columns) delete their target
+        row instead of updating it. ``target_filter`` (over ``t.`` columns, e.g. the partitions the
+        source touches) lets the merge skip the other files. Returns the merge metrics, or None if
+        ``txn`` was already applied.
+        """
+        uri = self.uri(pipeline, name)
+        dt = self.open(pipeline, name)
+        kept = _kept(source, delete_when)
+        if dt is None and kept is not None:
+            # Nothing to match yet: the first commit writes the inserted rows (one commit, not a create
+            # and a MERGE; the table gets the same schema, partitions and settings).
+            try:
+                write_deltalake(uri, kept, mode="append", partition_by=list(partition_by) if partition_by else None,
+                                storage_options=self.options, name=f"{pipeline}.{name}",
+                                configuration=_table_config(stats_columns),
+                                commit_properties=_commit(txn), post_commithook_properties=self._hooks)
+            except Exception as exc:  # noqa: BLE001
+                raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+            self._created.add(uri)
+            return {"num_source_rows": source.num_rows, "num_target_rows_inserted": kept.num_rows,
+                    "num_target_rows_updated": 0, "num_target_rows_deleted": 0, "created": True}
+        dt = dt or self.ensure(pipeline, name, source.schema, partition_by, stats_columns)
+        if self.already_applied(dt, txn):
+            return None
+        predicate = " AND ".join(([f"({target_filter})"] if target_filter else [])
+                                 + [f"t.`{c}` = s.`{c}`" for c in on])
+        try:
+            merger = dt.merge(source, predicate, source_alias="s", target_alias="t", commit_properties=_commit(txn),
+                              post_commithook_properties=self._hooks)
+            if delete_when:
+                merger = merger.when_matched_delete(predicate=delete_when)
+                keep = f"NOT ({delete_when})"
+                merger = merger.when_matched_update_all(predicate=keep).when_not_matched_insert_all(predicate=keep)
+            else:
+                merger = merger.when_matched_update_all().when_not_matched_insert_all()
+            return merger.execute()
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+
+    def known_version(self, pipeline: str, name: str) -> int | None:
+        """The version of this process's latest snapshot, without asking the store: exact for a table
+        this process has just written (its commits advance the snapshot), stale for any other."""
+        uri = self.uri(pipeline, name)
+        dt = self._latest.get(uri)
+        if dt is None:
+            return 0 if uri in self._created else None
+        return dt.version()
+
+    def _snapshot(self, pipeline: str, name: str) -> DeltaTable | None:
+        """This object's snapshot as of its own last write (no log listing), else the table opened."""
+        dt = self._latest.get(self.uri(pipeline, name))
+        return dt if dt is not None else self.open(pipeline, name)
+
+    def compact(self, pipeline: str, name: str, over_files: int, target_size: int | None = None) -> bool:
+        """Bin-pack a table's small files (below ``target_size`` bytes, default delta-rs's) into as few as
+        fit once it has more than ``over_files`` (a ``dataChange=false`` commit: readers and time travel
+        see the same rows), so that reading, and committing to, a table a batch appends to does not
+        grow with the number of batches."""
+        dt = self._snapshot(pipeline, name)
+        if dt is None or len(dt.file_uris()) <= over_files:
+            return False
+        dt.update_incremental()
+        try:
+            metrics = dt.optimize.compact(target_size=target_size, post_commithook_properties=self._hooks)
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
+        return bool(metrics.get("numFilesRemoved"))  # False: every small file stood alone in its bin
+
+    def replace(self, pipeline: str, name: str, rows: pa.Table, added: pa.Table, base_version: int,
+                txn: Txn | None = None, unique: Sequence[str] = ()) -> bool:
+        """Replace every file of the table by one file of ``rows``, which were derived from it as of
+        ``base_version`` plus ``added``: a compaction that also drops rows (expired dedup ids) in the
+        commit that adds the new ones. If the table has moved on since ``base_version``, only ``added``
+        is appended (nothing is lost; the compaction waits). False if ``txn`` was already applied."""
+        dt = self.open(pipeline, name)
+        if dt is None or dt.version() != base_version:
+            return self.append(pipeline, name, added, txn=txn, unique=unique)
+        if self.already_applied(dt, txn):
+            return False
+        try:
+            write_deltalake(dt, rows, mode="overwrite", commit_properties=_commit(txn),
+                            post_commithook_properties=self._hooks, writer_properties=_writer_properties(unique))
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
+        return True
+
+    def file_count(self, pipeline: str, name: str, version: int) -> int:
+        """How many data files the table has at ``version`` (0 if it does not exist)."""
+        with self._at(pipeline, name, version) as dt:
+            return 0 if dt is None else len(dt.file_uris())
+
+    def checkpoint(self, pipeline: str, name: str, min_version: int = 0) -> bool:
+        """Write a checkpoint at this process's latest snapshot of the table (readers then replay only
+        the commits after it); False if the table does not exist or is younger than ``min_version``.
+        It may run beside a reader of the same snapshot: delta-rs serializes the calls on one
+        DeltaTable (an internal mutex, delta-rs #3101), and a checkpoint does not move its version."""
+        dt = self._snapshot(pipeline, name)
+        if dt is None or dt.version() < min_version:
+            return False
+        try:
+            dt.create_checkpoint()
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
+        return True
+
+    def delete(self, pipeline: str, name: str, predicate: str, txn: Txn | None = None) -> bool:
+        dt = self.open(pipeline, name)
+        if dt is None or self.already_applied(dt, txn):
+            return False
+        try:
+            dt.delete(predicate, commit_properties=_commit(txn), post_commithook_properties=self._hooks)
+        except Exception as exc:  # noqa: BLE001
+            raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
+        return True
+
+
+def _table_config(stats_columns: Sequence[str] | None) -> dict[str, str]:
+    config = dict(TABLE_CONFIG)
+    if stats_columns:
+        config["delta.dataSkippingStatsColumns"] = ",".join(stats_columns)
+    return config
+
+
+def _kept(source: pa.Table, delete_when: str | None) -> pa.Table | None:
+    """The rows a MERGE into an empty table inserts, when ``delete_when`` is absent or names a boolean
+    source column (``s.deleted``); None for any other predicate (the MERGE evaluates it)."""
+    if delete_when is None:
+        return source
+    m = re.fullmatch(r"s\.`?(\w+)`?", delete_when.strip())
+    flag = m.group(1) if m else None
+    if flag not in source.column_names or not pa.types.is_boolean(source.schema.field(flag).type):
+        return None
+    return source.filter(pc.invert(source.column(flag)))  # a null flag is neither deleted nor inserted
+
+
+def plain_strings(table: pa.Table) -> pa.Table:
+    """Cast ``string_view`` columns (DataFusion's and MERGE's output) to ``string`` for every consumer."""
+    fields = [pa.field(f.name, pa.string(), f.nullable) if pa.types.is_string_view(f.type) else f
+              for f in table.schema]
+    return table.cast(pa.schema(fields)) if fields != list(table.schema) else table
+
+
+def sql_str(value: str) -> str:
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def sql_in(column: str, values: Sequence[str]) -> str:
+    """``column IN (...)`` for a list of strings (FALSE when empty)."""
+    if not values:
+        return "FALSE"
+    return f'"{column}" IN (' + ", ".join(sql_str(v) for v in values) + ")"
+
+
+def sql_ts(us: int) -> str:
+    """A timestamp literal from microseconds since the epoch."""
+    return f"arrow_cast(to_timestamp_micros({int(us)}), 'Timestamp(Microsecond, Some(\"UTC\"))')"

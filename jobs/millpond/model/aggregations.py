@@ -1,0 +1,145 @@
+"""What is computed: combiners (create / add / merge / extract, optional uncombine).
+
+Accumulators must be JSON-serialisable: they live in the ``windows`` state table. Values keep
+their type: a sum of integers stays an integer. A user combiner subclasses :class:`Combiner` and is
+named in the pipeline config as ``aggregation: "my_module:MyCombiner"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import operator
+from functools import reduce
+from typing import Any
+
+
+class Combiner:
+    """Associative, commutative aggregation in the Dataflow/Beam CombineFn shape."""
+
+    #: True if ``uncombine`` is implemented (retractions can be applied downstream cheaply).
+    reversible: bool = False
+    #: Arrow type name of extracted values: "int" follows the pipeline's value_type.
+    output_type: str = "input"
+
+    def create(self) -> Any:
+        raise NotImplementedError
+
+    def add(self, acc: Any, value: Any) -> Any:
+        raise NotImplementedError
+
+    def add_all(self, acc: Any, values: list[Any]) -> Any:
+        """``add`` of each value in order (a batch hands a window its elements together); override
+        only with the same result, order included (float sums round differently when regrouped)."""
+        add = self.add
+        for v in values:
+            acc = add(acc, v)
+        return acc
+
+    def merge(self, accs: list[Any]) -> Any:
+        raise NotImplementedError
+
+    def extract(self, acc: Any) -> Any:
+        raise NotImplementedError
+
+    def uncombine(self, acc: Any, other: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} has no uncombine")
+
+
+class Sum(Combiner):
+    reversible = True
+
+    def create(self) -> Any:
+        return 0
+
+    def add(self, acc: Any, value: Any) -> Any:
+        return acc + value
+
+    def add_all(self, acc: Any, values: list[Any]) -> Any:
+        return reduce(operator.add, values, acc)  # left to right, as ``add`` one by one
+
+    def merge(self, accs: list[Any]) -> Any:
+        return sum(accs, 0)
+
+    def extract(self, acc: Any) -> Any:
+        return acc
+
+    def uncombine(self, acc: Any, other: Any) -> Any:
+        return acc - other
+
+
+class Count(Sum):
+    output_type = "int"
+
+    def add(self, acc: Any, value: Any) -> Any:
+        return acc + 1
+
+    def add_all(self, acc: Any, values: list[Any]) -> Any:
+        return acc + len(values)
+
+
+class Min(Combiner):
+    def create(self) -> Any:
+        return None
+
+    def add(self, acc: Any, value: Any) -> Any:
+        return value if acc is None or value < acc else acc
+
+    def merge(self, accs: list[Any]) -> Any:
+        present = [a for a in accs if a is not None]
+        return min(present) if present else None
+
+    def extract(self, acc: Any) -> Any:
+        return acc
+
+
+class Max(Min):
+    def add(self, acc: Any, value: Any) -> Any:
+        return value if acc is None or value > acc else acc
+
+    def merge(self, accs: list[Any]) -> Any:
+        present = [a for a in accs if a is not None]
+        return max(present) if present else None
+
+
+class Mean(Combiner):
+    reversible = True
+    output_type = "float"
+
+    def create(self) -> Any:
+        return [0, 0]
+
+    def add(self, acc: Any, value: Any) -> Any:
+        return [acc[0] + value, acc[1] + 1]
+
+    def merge(self, accs: list[Any]) -> Any:
+        return [sum(a[0] for a in accs), sum(a[1] for a in accs)]
+
+    def extract(self, acc: Any) -> Any:
+        return acc[0] / acc[1] if acc[1] else None
+
+    def uncombine(self, acc: Any, other: Any) -> Any:
+        return [acc[0] - other[0], acc[1] - other[1]]
+
+
+BUILTIN: dict[str, type[Combiner]] = {"sum": Sum, "count": Count, "min": Min, "max": Max, "mean": Mean}
+
+
+def combiner(name: str) -> Combiner:
+    """The combiner named in a pipeline config (a builtin or ``module:Class``)."""
+    if name in BUILTIN:
+        return BUILTIN[name]()
+    module, sep, cls_name = name.partition(":")
+    if not sep:
+        raise ValueError(f"unknown aggregation {name!r}: use {', '.join(BUILTIN)} or 'module:Class'")
+    cls = getattr(importlib.import_module(module), cls_name)
+    if not (isinstance(cls, type) and issubclass(cls, Combiner)):
+        raise ValueError(f"{name} is not a millpond.model.aggregations.Combiner")
+    return cls()
+
+
+def output_arrow_type(comb: Combiner, value_type: str) -> str:
+    """'int64' or 'double': the pane value column's type for this pipeline."""
+    kind = comb.output_type
+    if kind == "input":
+        kind = value_type
+    return "int64" if kind == "int" else "double"

@@ -1,0 +1,89 @@
+"""A pipeline's configuration (``conf/pipelines/*.yaml``) turned into an executable strategy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from millpond.model.accumulation import Accumulation
+from millpond.model.aggregations import combiner, output_arrow_type
+from millpond.model.step import Strategy
+from millpond.model.timeutil import parse_duration
+from millpond.model.triggers import parse_trigger
+from millpond.model.watermark import WatermarkPolicy
+from millpond.model.windows import window_fn
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    name: str
+    source_prefix: str
+    value_type: str
+    window: dict[str, Any]
+    trigger: str
+    accumulation: str
+    aggregation: str
+    allowed_lateness: int
+    batch_interval: int
+    watermark: dict[str, Any]
+    description: str = ""
+    demo: dict[str, Any] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    def strategy(self) -> Strategy:
+        return Strategy(
+            window_fn=window_fn(self.window),
+            trigger=parse_trigger(self.trigger),
+            mode=Accumulation.parse(self.accumulation),
+            combiner=combiner(self.aggregation),
+            allowed_lateness=self.allowed_lateness,
+        )
+
+    @property
+    def mode(self) -> Accumulation:
+        return Accumulation.parse(self.accumulation)
+
+    @property
+    def watermark_policy(self) -> WatermarkPolicy:
+        return WatermarkPolicy.from_config(self.watermark)
+
+    @property
+    def pane_value_type(self) -> str:
+        return output_arrow_type(combiner(self.aggregation), self.value_type)
+
+
+def pipeline_from_dict(doc: dict[str, Any]) -> PipelineSpec:
+    """Validate a config mapping: every mistake is reported by name, before anything runs."""
+    if "name" not in doc:
+        raise ValueError("pipeline config needs a name")
+    name = str(doc["name"])
+    if not name.replace("_", "").isalnum():
+        raise ValueError(f"pipeline name {name!r}: use letters, digits and underscores")
+    value_type = doc.get("value_type", "int")
+    if value_type not in ("int", "float"):
+        raise ValueError(f"value_type {value_type!r}: use int or float")
+    source = doc.get("source") or {}
+    spec = PipelineSpec(
+        name=name,
+        source_prefix=str(source.get("prefix", f"{name}/")),
+        value_type=value_type,
+        window=dict(doc.get("window") or {"type": "global"}),
+        trigger=str(doc.get("trigger") or "Repeat(AtWatermark())"),
+        accumulation=str(doc.get("accumulation", "accumulating")),
+        aggregation=str(doc.get("aggregation", "sum")),
+        allowed_lateness=parse_duration(doc.get("allowed_lateness", 0)),
+        batch_interval=parse_duration(doc.get("batch_interval", "5m")),
+        watermark=dict(doc.get("watermark") or {"policy": "processing_time", "lag": 0}),
+        description=str(doc.get("description", "")),
+        demo=dict(doc.get("demo") or {}),
+        raw=dict(doc),
+    )
+    if doc.get("computation") is not None:  # a MillWheel computation (millpond.model.computation) replaces them
+        if doc.get("window") is not None or doc.get("trigger") is not None:
+            raise ValueError("computation pipelines take no window or trigger (the computation's timers decide)")
+        from millpond.model.computation import load_computation
+
+        load_computation(doc["computation"])  # importable, a Computation, options accepted
+    spec.strategy()  # parse window, trigger, accumulation and aggregation now
+    _ = spec.watermark_policy  # and the watermark policy
+    return spec

@@ -1,0 +1,344 @@
+"""A local Airflow 3 deployment as four explicit processes: api-server, scheduler, dag-processor, triggerer.
+
+Why not ``airflow standalone``: it starts ~40 processes and ignores SIGINT when backgrounded. Four
+process groups, each with a PID file under ``<home>/run`` and a log under ``<home>/log``, are stopped
+exactly like the object store: only what this module started is ever signalled.
+
+Everything Airflow needs is passed through the environment (no ``airflow.cfg`` edits), so the same
+code runs against SQLite (default) or Postgres (``MILLPOND_AIRFLOW_DB_URL``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from millpond.config import PROJECT_ROOT, Settings
+from millpond.errors import MillpondError, PrerequisiteMissing
+from millpond.orchestration.processes import port_free, read_pid, run_dir, stop_group
+
+# Start order; stop goes the other way (the api-server last: running tasks report to it).
+COMPONENTS = ("api-server", "dag-processor", "scheduler", "triggerer")
+ADMIN_USER = "admin"
+DAGS_FOLDER = PROJECT_ROOT / "dags"
+
+
+@dataclass(frozen=True)
+class AirflowConfig:
+    """The ``airflow:`` section of ``conf/millpond.yaml`` after environment overrides."""
+
+    enabled: bool
+    port: int
+    parallelism: int
+    refresh_interval: int
+    db_url: str | None
+    start_timeout: float
+    scheduled_runs: bool
+    paused_at_creation: bool = True
+
+
+def airflow_config(settings: Settings) -> AirflowConfig:
+    """The deployment's Airflow settings (``airflow:`` in ``conf/millpond.yaml``, environment overrides)."""
+    return AirflowConfig(
+        enabled=settings.airflow_enabled,
+        port=settings.airflow_port,
+        parallelism=settings.airflow_parallelism,
+        refresh_interval=settings.airflow_refresh_interval,
+        db_url=settings.airflow_db_url or os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN") or None,
+        start_timeout=settings.airflow_start_timeout,
+        scheduled_runs=settings.airflow_scheduled_runs,
+        paused_at_creation=settings.airflow_paused_at_creation,
+    )
+
+
+def _flag(value: object) -> bool:
+    return str(value).strip().lower() not in ("0", "false", "no", "off")
+
+
+def airflow_home(settings: Settings) -> Path:
+    return settings.home / "airflow"
+
+
+def airflow_binary() -> list[str]:
+    candidate = Path(sys.executable).parent / "airflow"
+    if candidate.exists():
+        return [str(candidate)]
+    found = shutil.which("airflow")
+    if not found:
+        raise PrerequisiteMissing("`airflow` not found: run `make venv` (installs apache-airflow)")
+    return [found]
+
+
+def _secrets(settings: Settings) -> dict[str, str]:
+    """Secrets generated once per home and shared by all four processes (JWTs must verify across them)."""
+    home = airflow_home(settings)
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / "millpond-secrets.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    from cryptography.fernet import Fernet
+
+    values = {
+        "jwt_secret": secrets.token_urlsafe(32),
+        "secret_key": secrets.token_urlsafe(32),
+        "fernet_key": Fernet.generate_key().decode(),
+    }
+    _write_private(path, json.dumps(values))
+    return values
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
+def passwords_file(settings: Settings) -> Path:
+    return airflow_home(settings) / "simple_auth_manager_passwords.json"
+
+
+def admin_password(settings: Settings) -> str:
+    """The admin password, generated on first use and kept under ``<home>/airflow`` (mode 0600)."""
+    path = passwords_file(settings)
+    if path.exists():
+        try:
+            return json.loads(path.read_text())[ADMIN_USER]
+        except (ValueError, KeyError):
+            pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    password = secrets.token_urlsafe(12)
+    _write_private(path, json.dumps({ADMIN_USER: password}))
+    return password
+
+
+def airflow_env(
+    settings: Settings, cfg: AirflowConfig | None = None, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The environment of every Airflow process and CLI call of this deployment."""
+    cfg = cfg or airflow_config(settings)
+    env = dict(os.environ if base is None else base)
+    home = airflow_home(settings)
+    sec = _secrets(settings)
+    admin_password(settings)
+    db_url = cfg.db_url or f"sqlite:///{home / 'airflow.db'}"
+    url = f"http://127.0.0.1:{cfg.port}"
+    env.update({
+        "AIRFLOW_HOME": str(home),
+        # Tasks must reach the same store, home and pipeline configuration as the CLI that started them.
+        "MILLPOND_HOME": str(settings.home),
+        "MILLPOND_CONF_DIR": str(settings.conf_dir),
+        "MILLPOND_AIRFLOW_SCHEDULED_RUNS": "true" if cfg.scheduled_runs else "false",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db_url,
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__PARALLELISM": str(cfg.parallelism),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS_FOLDER),
+        # New DAGs wait paused until `make run` has backfilled their recent history in order, then unpauses.
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": str(cfg.paused_at_creation),
+        "MILLPOND_AIRFLOW_PAUSED_AT_CREATION": "true" if cfg.paused_at_creation else "false",
+        "AIRFLOW__CORE__FERNET_KEY": sec["fernet_key"],
+        "AIRFLOW__CORE__AUTH_MANAGER": "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN_USER}:admin",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords_file(settings)),
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{url}/execution/",
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": str(cfg.port),
+        "AIRFLOW__API__BASE_URL": url,
+        "AIRFLOW__API__WORKERS": "1",
+        "AIRFLOW__API__SECRET_KEY": sec["secret_key"],
+        "AIRFLOW__API__EXPOSE_CONFIG": "False",
+        "AIRFLOW__API_AUTH__JWT_SECRET": sec["jwt_secret"],
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": str(cfg.refresh_interval),
+        "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": str(max(cfg.refresh_interval, 5)),
+        "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
+        "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(home / "logs"),
+        "PYSPARK_PYTHON": sys.executable,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+    })
+    # Airflow runs pipelines' tasks: they import millpond from the repository even without `pip install -e`.
+    jobs = str(PROJECT_ROOT / "jobs")
+    env["PYTHONPATH"] = jobs + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run_airflow_cli(settings: Settings, args: list[str], timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """One ``airflow ...`` CLI call against this deployment's metadata DB; raise a one-line error on failure."""
+    env = airflow_env(settings)
+    proc = subprocess.run(airflow_binary() + args, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise MillpondError(f"`airflow {' '.join(args[:2])}` failed (code {proc.returncode}): {tail[0][:300]}")
+    return proc
+
+
+class AirflowStack:
+    """Start, stop and inspect the four Airflow processes of one Millpond home."""
+
+    def __init__(self, settings: Settings, cfg: AirflowConfig | None = None) -> None:
+        self.settings = settings
+        self.cfg = cfg or airflow_config(settings)
+        self.home = airflow_home(settings)
+        self.log_dir = settings.home / "log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.cfg.port}"
+
+    def pidfile(self, component: str) -> Path:
+        return run_dir(self.settings) / f"airflow-{component}.pid"
+
+    def logfile(self, component: str) -> Path:
+        return self.log_dir / f"airflow-{component}.log"
+
+    def pids(self) -> dict[str, int | None]:
+        return {c: read_pid(self.pidfile(c)) for c in COMPONENTS}
+
+    def running(self) -> bool:
+        return all(self.pids().values())
+
+    def admin_password(self) -> str:
+        return admin_password(self.settings)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self, timeout: float | None = None) -> bool:
+        """Start the components that are not running (idempotent); wait until healthy. True if any started."""
+        timeout = self.cfg.start_timeout if timeout is None else timeout
+        missing = [c for c, pid in self.pids().items() if pid is None]
+        if not missing:
+            self.wait_healthy(timeout)
+            return False
+        if "api-server" in missing and not port_free(self.cfg.port):
+            raise PrerequisiteMissing(
+                f"port {self.cfg.port} (Airflow api-server) is in use by another program: stop it or set "
+                "MILLPOND_AIRFLOW_PORT to a free port"
+            )
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = airflow_env(self.settings, self.cfg)
+        migrate = subprocess.run(airflow_binary() + ["db", "migrate"], env=env, capture_output=True, text=True,
+                                 stdin=subprocess.DEVNULL, timeout=300)
+        if migrate.returncode != 0:
+            self.logfile("db-migrate").write_text(migrate.stdout + migrate.stderr)
+            raise MillpondError(
+                f"`airflow db migrate` failed (code {migrate.returncode}): see {self.logfile('db-migrate')}"
+            )
+        procs: dict[str, subprocess.Popen] = {}
+        for component in COMPONENTS:
+            if component not in missing:
+                continue
+            args = [component]
+            if component == "api-server":
+                args += ["--host", "127.0.0.1", "--port", str(self.cfg.port)]
+            elif component in ("scheduler", "triggerer"):
+                args += ["--skip-serve-logs"]  # logs are read from local files: no extra ports
+            with open(self.logfile(component), "ab") as log:
+                proc = subprocess.Popen(
+                    airflow_binary() + args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env=env, start_new_session=True, cwd=self.home,
+                )
+            self.pidfile(component).write_text(str(proc.pid))
+            procs[component] = proc
+        try:
+            self.wait_healthy(timeout, procs)
+        except BaseException:
+            self.stop()
+            raise
+        return True
+
+    def revive(self) -> list[str]:
+        """Restart the components that died while the others still run; the restarted ones (none when
+        the whole stack is down: that is `make up`'s job). Airflow expects a supervisor to do this: its
+        scheduler exits on some database races (e.g. a run deleted under it by `dag.test` on the same
+        database) and adopts the orphaned tasks when it comes back."""
+        pids = self.pids()
+        dead = [c for c, pid in pids.items() if pid is None]
+        if not dead or len(dead) == len(pids):
+            return []
+        self.start()
+        return dead
+
+    def wait_healthy(self, timeout: float, procs: dict[str, subprocess.Popen] | None = None) -> dict[str, Any]:
+        """Block until the api-server answers and every component reports a heartbeat."""
+        deadline = time.monotonic() + timeout
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            for component, proc in (procs or {}).items():
+                if proc.poll() is not None:
+                    raise MillpondError(
+                        f"Airflow {component} exited at start (code {proc.returncode}): see {self.logfile(component)}"
+                    )
+            try:
+                health = self.health()
+            except MillpondError as exc:
+                last = str(exc)
+            else:
+                unhealthy = [k for k, v in health.items() if isinstance(v, dict) and v.get("status") != "healthy"]
+                if not unhealthy:
+                    return health
+                last = f"not yet healthy: {', '.join(unhealthy)}"
+            time.sleep(1.0)
+        raise MillpondError(
+            f"Airflow did not become healthy in {timeout:.0f}s ({last}): see {self.log_dir}/airflow-*.log"
+        )
+
+    def stop(self) -> bool:
+        """Stop the process groups this module started; True if any was running."""
+        stopped = False
+        for component in reversed(COMPONENTS):
+            stopped = stop_group(self.pidfile(component), timeout=20.0) or stopped
+        return stopped
+
+    def status(self) -> list[str]:
+        pids = self.pids()
+        if not any(pids.values()):
+            return ["airflow: stopped"]
+        parts = ", ".join(f"{c} {'pid ' + str(p) if p else 'STOPPED'}" for c, p in pids.items())
+        state = "running" if all(pids.values()) else "partly running (run `make up` to restart the rest)"
+        where = passwords_file(self.settings)
+        return [f"airflow: {state} at {self.url} ({parts}); user {ADMIN_USER}, password in {where}"]
+
+    # -- REST ------------------------------------------------------------------------------------
+    def _http(self, method: str, path: str, body: Any = None, token: str | None = None,
+              timeout: float = 30.0) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Accept", "application/json")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(req, timeout=timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:300]
+            raise MillpondError(f"Airflow API {method} {path} answered {exc.code}: {detail}") from exc
+        except (urllib.error.URLError, OSError) as exc:
+            raise MillpondError(f"Airflow API unreachable at {self.url}: start it with `make up` ({exc})") from exc
+        return json.loads(raw) if raw else None
+
+    def health(self) -> dict[str, Any]:
+        return self._http("GET", "/api/v2/monitor/health", timeout=5.0)
+
+    def token(self) -> str:
+        answer = self._http("POST", "/auth/token", {"username": ADMIN_USER, "password": self.admin_password()})
+        return answer["access_token"]
+
+    def api(self, method: str, path: str, body: Any = None, token: str | None = None) -> Any:
+        """An authenticated call to the public REST API (``/api/v2/...``)."""
+        return self._http(method, "/api/v2" + path, body, token or self.token())

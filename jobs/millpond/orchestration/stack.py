@@ -1,0 +1,34 @@
+"""The local stack as one thing: start, stop and report every embedded service (`make up/down/status`)."""
+
+from __future__ import annotations
+
+from millpond.config import Settings
+from millpond.orchestration.airflow_stack import AirflowStack, airflow_config
+from millpond.orchestration.processes import read_pid
+from millpond.orchestration.store import EmbeddedStore
+
+
+def up(settings: Settings) -> None:
+    """Start every embedded service that is not running; print where they are."""
+    store = EmbeddedStore(settings)
+    started = store.start()
+    print(f"object store {'started' if started else 'already running'}: {settings.s3_endpoint} "
+          f"(buckets {', '.join(settings.buckets)}; data in {store.data_dir})")
+    if airflow_config(settings).enabled:
+        stack = AirflowStack(settings)
+        started = stack.start()
+        print(f"airflow {'started' if started else 'already running'}: {stack.url} "
+              f"(user admin, password {stack.admin_password()})")
+
+
+def down(settings: Settings) -> None:
+    print("airflow stopped" if AirflowStack(settings).stop() else "airflow was not running")
+    store = EmbeddedStore(settings)
+    print("object store stopped" if store.stop() else "object store was not running")
+
+
+def status(settings: Settings) -> list[str]:
+    store = EmbeddedStore(settings)
+    pid = read_pid(store.pidfile)
+    state = f"running (pid {pid}) at {settings.s3_endpoint}" if pid else "stopped"
+    return [f"object store: {state}", *AirflowStack(settings).status()]
