@@ -201,3 +201,19 @@ def _base_env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("MILLPOND_")}
+
+
+def test_table_noun_restores_a_version_as_a_new_commit(tables, pipeline_name) -> None:
+    """``restore`` makes an old version's rows current as a new commit; history and time travel keep the rest."""
+    table = tables.table(pipeline_name, "noun")
+    first = pa.table({"k": ["a", "b"], "v": pa.array([1, 2], pa.int64())})
+    assert table.append(first, txn=Txn("noun-test", 1))
+    assert table.append(pa.table({"k": ["c"], "v": pa.array([3], pa.int64())}), txn=Txn("noun-test", 2))
+    assert not table.append(first, txn=Txn("noun-test", 2))  # a retry of an applied transaction is skipped
+    assert table.read().num_rows == 3 and table.version() == 1
+    restored = table.restore(0, txn=Txn("noun-restore", 1))
+    assert restored == 2
+    assert sorted(table.read().column("k").to_pylist()) == ["a", "b"]
+    assert table.read(version=1).num_rows == 3  # time travel still sees the undone commit
+    assert table.restore(0, txn=Txn("noun-restore", 1)) is None  # applied already: no second commit
+    assert [h["operation"] for h in table.history()][0] == "RESTORE"

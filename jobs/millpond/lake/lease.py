@@ -73,7 +73,7 @@ class Lease:
     @classmethod
     def acquire(cls, settings: Settings, pipeline: str, owner: str | None = None,
                 ttl_s: float | None = None) -> Lease:
-        owner = owner or PROCESS_OWNER
+        owner = owner or os.environ.get("MILLPOND_RUN_ID") or PROCESS_OWNER
         ttl_s = settings.lease_ttl_s if ttl_s is None else ttl_s
         client = s3_client(settings)
         key = lease_key(settings, pipeline)

@@ -11,100 +11,31 @@ never applies the same commit twice (MillWheel's exactly-once, on the Delta log)
 from __future__ import annotations
 
 import contextlib
-import re
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
-from deltalake import (
-    ColumnProperties,
-    CommitProperties,
-    DeltaTable,
-    PostCommitHookProperties,
-    QueryBuilder,
-    Transaction,
-    WriterProperties,
-    write_deltalake,
-)
+from deltalake import DeltaTable, PostCommitHookProperties, QueryBuilder, write_deltalake
 from deltalake.exceptions import TableNotFoundError
 
 from millpond.config import Settings
 from millpond.errors import MillpondError
+from millpond.lake.delta_options import (
+    TABLE_CONFIG,
+    Txn,
+    _commit,
+    _kept,
+    _table_config,
+    _wrap,
+    _writer_properties,
+    storage_options,
+)
+from millpond.lake.sql import plain_strings, sql_in, sql_str, sql_ts
+from millpond.lake.table import Table
 
-#: Checkpoint every 10 commits: opening a table replays at most 10 JSON commits, however long its history.
-TABLE_CONFIG = {"delta.checkpointInterval": "10"}
-
-
-@dataclass(frozen=True)
-class Txn:
-    """An application transaction: (app_id, version) recorded in the Delta log with the commit."""
-
-    app_id: str
-    version: int
-
-
-def storage_options(settings: Settings) -> dict[str, str]:
-    return {
-        "AWS_ENDPOINT_URL": settings.s3_endpoint,
-        "AWS_ACCESS_KEY_ID": settings.s3_access_key,
-        "AWS_SECRET_ACCESS_KEY": settings.s3_secret_key,
-        "AWS_REGION": settings.s3_region,
-        "AWS_ALLOW_HTTP": "true" if settings.s3_endpoint.startswith("http://") else "false",
-        "AWS_S3_ALLOW_UNSAFE_RENAME": "false",
-        "conditional_put": "etag",
-        "timeout": "30s",
-        "connect_timeout": "3s",
-    }
-
-
-def _writer_properties(unique: Sequence[str]) -> WriterProperties | None:
-    """No dictionary for columns of (nearly) unique values, e.g. record ids: the writer would build one,
-    find it as large as the column and fall back to plain encoding. Measured on 100k ids: the write took
-    half the time."""
-    if not unique:
-        return None
-    return WriterProperties(column_properties={c: ColumnProperties(dictionary_enabled=False) for c in unique})
-
-
-def _commit(txn: Txn | None) -> CommitProperties | None:
-    if txn is None:
-        return None
-    return CommitProperties(app_transactions=[Transaction(app_id=txn.app_id, version=txn.version)])
-
-
-def _endpoint_down(endpoint: str | None) -> bool:
-    """True if nothing accepts connections at the store's endpoint (a request cut mid-way by a store
-    that stopped surfaces from delta-rs as a bare "Generic S3 error")."""
-    import socket
-    from urllib.parse import urlparse
-
-    if not endpoint:
-        return False
-    url = urlparse(endpoint)
-    try:
-        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=1):
-            return False
-    except OSError:
-        return True
-
-
-def _wrap(exc: Exception, uri: str, endpoint: str | None = None) -> MillpondError:
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    lowered = text.lower()
-    if ("connect" in lowered or "dns" in lowered or "timed out" in lowered or "error sending request" in lowered
-            or ("generic s3 error" in lowered and _endpoint_down(endpoint))):
-        return MillpondError(f"object store unreachable while accessing {uri}: start it with `make up` ({text[:160]})")
-    if "invalidaccesskeyid" in lowered or "signaturedoesnotmatch" in lowered or "403" in lowered:
-        return MillpondError(f"object store refused the credentials for {uri}: check MILLPOND_S3_ACCESS_KEY/SECRET_KEY")
-    if "concurrent" in lowered or "conflict" in lowered or "version already exists" in lowered:
-        return MillpondError(f"concurrent commit to {uri}: another run of this pipeline committed first ({text[:160]})")
-    if "nosuchbucket" in lowered:
-        return MillpondError(f"bucket missing for {uri}: run `make up` (creates the buckets)")
-    return MillpondError(f"Delta operation on {uri} failed: {text[:300]}")
-
+__all__ = ["TABLE_CONFIG", "Table", "Tables", "Txn", "plain_strings", "sql_in", "sql_str", "sql_ts", "storage_options"]
 
 _SNAPSHOTS: dict[tuple[str, str], dict[str, DeltaTable]] = {}
 
@@ -160,6 +91,10 @@ class Tables:
         return self.settings.table_uri(pipeline, name)
 
     # -- opening -----------------------------------------------------------------------------
+    def table(self, pipeline: str, name: str) -> Table:
+        """The noun for one table: ``tables.table(p, "panes").append(rows, txn=txn)``."""
+        return Table(self, pipeline, name)
+
     def open(self, pipeline: str, name: str, version: int | str | None = None) -> DeltaTable | None:
         """The table, or None if it was never created. ``version``: number or ISO timestamp."""
         uri = self.uri(pipeline, name)
@@ -489,43 +424,3 @@ class Tables:
         return True
 
 
-def _table_config(stats_columns: Sequence[str] | None) -> dict[str, str]:
-    config = dict(TABLE_CONFIG)
-    if stats_columns:
-        config["delta.dataSkippingStatsColumns"] = ",".join(stats_columns)
-    return config
-
-
-def _kept(source: pa.Table, delete_when: str | None) -> pa.Table | None:
-    """The rows a MERGE into an empty table inserts, when ``delete_when`` is absent or names a boolean
-    source column (``s.deleted``); None for any other predicate (the MERGE evaluates it)."""
-    if delete_when is None:
-        return source
-    m = re.fullmatch(r"s\.`?(\w+)`?", delete_when.strip())
-    flag = m.group(1) if m else None
-    if flag not in source.column_names or not pa.types.is_boolean(source.schema.field(flag).type):
-        return None
-    return source.filter(pc.invert(source.column(flag)))  # a null flag is neither deleted nor inserted
-
-
-def plain_strings(table: pa.Table) -> pa.Table:
-    """Cast ``string_view`` columns (DataFusion's and MERGE's output) to ``string`` for every consumer."""
-    fields = [pa.field(f.name, pa.string(), f.nullable) if pa.types.is_string_view(f.type) else f
-              for f in table.schema]
-    return table.cast(pa.schema(fields)) if fields != list(table.schema) else table
-
-
-def sql_str(value: str) -> str:
-    return "'" + str(value).replace("'", "''") + "'"
-
-
-def sql_in(column: str, values: Sequence[str]) -> str:
-    """``column IN (...)`` for a list of strings (FALSE when empty)."""
-    if not values:
-        return "FALSE"
-    return f'"{column}" IN (' + ", ".join(sql_str(v) for v in values) + ")"
-
-
-def sql_ts(us: int) -> str:
-    """A timestamp literal from microseconds since the epoch."""
-    return f"arrow_cast(to_timestamp_micros({int(us)}), 'Timestamp(Microsecond, Some(\"UTC\"))')"
