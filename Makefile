@@ -8,16 +8,24 @@ STAMP := $(VENV)/.installed
 ASSETS := var/datadocs-assets
 ASSETS_STAMP := $(ASSETS)/.installed
 
-.PHONY: run test venv up down status lint bench query report docs backfill clean datadocs-assets
+.PHONY: run test test-unit browser venv up down status lint bench query report docs backfill clean datadocs-assets
 
 run: venv ## set everything up and run the main job on the embedded defaults
 	@$(MILLPOND) preflight
 	@$(MILLPOND) up
 	@$(MILLPOND) run
 
-test: venv ## the whole suite (real S3 server, Delta tables, Spark, Airflow)
-	$(VENV)/bin/ruff check jobs dags tests
+test: venv browser ## the whole suite (real S3 server, Delta tables, Spark, Airflow, a browser)
+	$(VENV)/bin/ruff check jobs dags tests bench
 	$(PY) -m pytest
+
+test-unit: venv ## the pure model and configuration tests: no service, under a minute
+	$(PY) -m pytest -m unit -q
+
+browser: ## Debian's chromium for the Data Docs and Airflow UI tests (installed when missing and root)
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } ; } || \
+	  { echo "millpond: error: chromium not found: install it (Debian: sudo apt-get install -y chromium), then run make test again"; exit 1; }
 
 venv: $(STAMP) $(ASSETS_STAMP)
 
@@ -48,7 +56,7 @@ status: venv
 	@$(MILLPOND) status
 
 lint: venv
-	$(VENV)/bin/ruff check jobs dags tests
+	$(VENV)/bin/ruff check jobs dags tests bench
 
 bench: venv
 	$(PY) -m bench $(ARGS)

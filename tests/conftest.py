@@ -13,6 +13,19 @@ from millpond.config import Settings, load_settings
 from millpond.lake.tables import Tables
 from millpond.orchestration.store import EmbeddedStore, isolated_store_env
 
+#: fixtures that start or reach a service: a test using none of them, in a module of model or configuration
+#: tests, is a unit test (``make test-unit``: no service, well under a minute)
+SERVICE_FIXTURES = frozenset({"settings", "tables", "spark", "airflow_stack", "millpond_home", "pipeline_name"})
+MODEL_TEST_MODULES = frozenset({"test_custom_strategies", "test_computation", "test_fast_paths", "test_watermark",
+                                "test_dags", "test_properties", "test_settings", "test_layers"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        if module in MODEL_TEST_MODULES and not SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.unit)
+
 
 def free_store_env(home: Path) -> dict[str, str]:
     """Environment for an isolated embedded store: its own home and free ports."""

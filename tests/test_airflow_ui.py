@@ -23,9 +23,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def browser_page(tmp_path: Path):
-    sync_api = pytest.importorskip("playwright.sync_api")
+    from playwright import sync_api
+
     if not Path(CHROMIUM).exists():
-        pytest.skip("chromium not installed (apt-get install -y chromium)")
+        pytest.fail("chromium missing: run `make browser` (apt-get install -y chromium)")
     profile = Path(tempfile.mkdtemp(prefix="millpond-chromium-"))
     with sync_api.sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import http.server
-import os
 import shutil
 import threading
 from collections.abc import Iterator
@@ -32,10 +31,8 @@ ARTIFACTS = PROJECT_ROOT / "test-artifacts"
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
     if not Path(CHROMIUM).exists() or shutil.which("chromium") is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium missing: .ci/run installs it with apt-get")
-        pytest.skip("Debian chromium not installed (apt-get install -y chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api")
+        pytest.fail("chromium missing: run `make browser` (apt-get install -y chromium)")
+    from playwright import sync_api
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
         try:

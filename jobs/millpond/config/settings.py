@@ -168,48 +168,50 @@ _BY_PATH = {o.path: o for o in OPTIONS}
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything a job needs: where the lake is, how a batch runs, what the local stack listens on."""
+    """Everything a job needs: where the lake is, how a batch runs, what the local stack listens on.
+
+    Defaults live in ``OPTIONS`` only: build one with :func:`load_settings`."""
 
     home: Path
     conf_dir: Path
-    s3_endpoint: str = "http://127.0.0.1:8333"
-    s3_region: str = "us-east-1"
-    s3_access_key: str = "millpond-dev"
-    s3_secret_key: str = "millpond-dev-secret-change-me"
-    store_timeout_s: float = 120.0
-    bucket_landing: str = "landing"
-    bucket_lake: str = "lake"
-    bucket_reports: str = "reports"
-    table_root: str = "tables"
-    engine: str = "local"
-    engine_local_below: int = 0
-    columnar_windows: bool = True
-    driver_workers: int | None = None
-    driver_min_range: int = 20000
-    spark_master: str = "local[*]"
-    spark_connect: str = ""
-    spark_connect_port: int = 15002
-    spark_ui_port: int = 4040
-    spark_shuffle_partitions: int = 4
-    spark_driver_memory: str = "4g"
-    lease_ttl_s: float = 600.0
-    expectations_dir: str = ""
-    dq_keep_results: int = 100
-    datadocs_assets: str = ""
-    s3_port: int = 8333
-    weed_master_port: int = 9333
-    weed_volume_port: int = 8080
-    weed_filer_port: int = 8888
-    weed_webdav_port: int = 7333
-    airflow_enabled: bool = True
-    airflow_port: int = 8280
-    airflow_parallelism: int = 2
-    airflow_refresh_interval: int = 5
-    airflow_start_timeout: float = 180.0
-    airflow_paused_at_creation: bool = True
-    airflow_scheduled_runs: bool = True
-    airflow_db_url: str = ""
-    demo: bool = False
+    s3_endpoint: str
+    s3_region: str
+    s3_access_key: str
+    s3_secret_key: str
+    store_timeout_s: float
+    bucket_landing: str
+    bucket_lake: str
+    bucket_reports: str
+    table_root: str
+    engine: str
+    engine_local_below: int
+    columnar_windows: bool
+    driver_workers: int | None
+    driver_min_range: int
+    spark_master: str
+    spark_connect: str
+    spark_connect_port: int
+    spark_ui_port: int
+    spark_shuffle_partitions: int
+    spark_driver_memory: str
+    lease_ttl_s: float
+    expectations_dir: str
+    dq_keep_results: int
+    datadocs_assets: str
+    s3_port: int
+    weed_master_port: int
+    weed_volume_port: int
+    weed_filer_port: int
+    weed_webdav_port: int
+    airflow_enabled: bool
+    airflow_port: int
+    airflow_parallelism: int
+    airflow_refresh_interval: int
+    airflow_start_timeout: float
+    airflow_paused_at_creation: bool
+    airflow_scheduled_runs: bool
+    airflow_db_url: str
+    demo: bool
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -232,7 +234,8 @@ class Settings:
 
     @property
     def datadocs_assets_path(self) -> Path:
-        return Path(self.datadocs_assets) if self.datadocs_assets else PROJECT_ROOT / "var" / "datadocs-assets" / "node_modules"
+        default = PROJECT_ROOT / "var" / "datadocs-assets" / "node_modules"
+        return Path(self.datadocs_assets) if self.datadocs_assets else default
 
     def table_uri(self, pipeline: str, name: str) -> str:
         """Delta tables live at s3://<lake>/<root>/<pipeline>/<name>."""
@@ -283,7 +286,7 @@ def load_settings(conf_dir: Path | None = None, env: Mapping[str, str] | None = 
         raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: expected a mapping of settings")
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {o.name: o.default for o in OPTIONS}
     for key, value in _flatten(doc).items():
         option = _BY_PATH.get(key)
         if option is None:
@@ -300,10 +303,10 @@ def load_settings(conf_dir: Path | None = None, env: Mapping[str, str] | None = 
         values["s3_secret_key"] = env["AWS_SECRET_ACCESS_KEY"]
     if "MILLPOND_S3_ENDPOINT" not in env and "MILLPOND_S3_PORT" in env:
         values["s3_endpoint"] = f"http://127.0.0.1:{values['s3_port']}"
-    if not 1 <= values.get("airflow_parallelism", 2) <= 8:
+    if not 1 <= values["airflow_parallelism"] <= 8:
         raise ConfigError(f"airflow.parallelism must be between 1 and 8 (got {values['airflow_parallelism']}): "
                           "each slot pre-forks a worker")
-    if values.get("engine", "local") not in ("local", "spark"):
-        raise unknown_key_error("engine.name", values["engine"], ["local", "spark"])
+    if values["engine"] not in ("local", "spark"):
+        raise ConfigError(f"engine.name = {values['engine']!r}: use local or spark")
     home = Path(env.get(HOME_ENV) or PROJECT_ROOT / "var")
     return Settings(home=home, conf_dir=conf_dir, **values)

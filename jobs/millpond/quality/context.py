@@ -63,8 +63,9 @@ def _desired_config(settings: Settings) -> dict[str, Any]:
         "plugins_directory": None,
         "stores": {
             # The reviewed suites, committed in the repository (absolute path: runtime files live elsewhere).
-            "expectations_store": {"class_name": "ExpectationsStore",
-                                   "store_backend": fs(str(settings.expectations_path), suppress_store_backend_id=True)},
+            "expectations_store": {
+                "class_name": "ExpectationsStore",
+                "store_backend": fs(str(settings.expectations_path), suppress_store_backend_id=True)},
             "validation_results_store": {"class_name": "ValidationResultsStore",
                                          "store_backend": fs("validations/", suppress_store_backend_id=True)},
             "checkpoint_store": {"class_name": "CheckpointStore",
