@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,8 +53,48 @@ class PipelineSpec:
         return output_arrow_type(combiner(self.aggregation), self.value_type)
 
 
+#: the keys a pipeline file may hold, and the keys of its blocks that are not interpreted elsewhere
+PIPELINE_KEYS = ("name", "description", "source", "value_type", "window", "trigger", "accumulation", "aggregation",
+                 "allowed_lateness", "batch_interval", "watermark", "dedup", "demo", "computation")
+BLOCK_KEYS = {"source": ("prefix",), "dedup": ("horizon",)}
+WATERMARK_KEYS = {"processing_time": ("lag",), "bounded_out_of_orderness": ("bound",), "injector": ("bound",),
+                  "percentile": ("percentile", "fallback_lag"), "explicit": ("values",), "perfect": ()}
+
+
+def _unknown(where: str, key: str, known: tuple[str, ...]) -> ValueError:
+    near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]!r}?" if near else f"use one of {', '.join(known)}"
+    return ValueError(f"unknown key {where}{key!r}: {hint}")
+
+
+def check_keys(doc: dict[str, Any]) -> None:
+    """Strict pipeline files: a misspelt key (``allowed_latenes``) is an error, never a silent default."""
+    if not isinstance(doc, dict):
+        raise ValueError("a pipeline file holds a mapping of keys")
+    for key in doc:
+        if key not in PIPELINE_KEYS:
+            raise _unknown("", str(key), PIPELINE_KEYS)
+    for block, known in BLOCK_KEYS.items():
+        value = doc.get(block)
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{block}: expected a mapping such as {{{known[0]}: ...}}, got {value!r}")
+        for key in value or {}:
+            if key not in known:
+                raise _unknown(f"{block}.", str(key), known)
+    watermark = doc.get("watermark")
+    if isinstance(watermark, dict):
+        known = WATERMARK_KEYS.get(str(watermark.get("policy", "processing_time")))
+        for key in watermark:
+            if known is not None and key != "policy" and key not in known:
+                raise _unknown("watermark.", str(key), ("policy", *known))
+    for key in ("window", "watermark", "demo"):
+        if doc.get(key) is not None and not isinstance(doc[key], dict):
+            raise ValueError(f"{key}: expected a mapping, got {doc[key]!r}")
+
+
 def pipeline_from_dict(doc: dict[str, Any]) -> PipelineSpec:
     """Validate a config mapping: every mistake is reported by name, before anything runs."""
+    check_keys(doc)
     if "name" not in doc:
         raise ValueError("pipeline config needs a name")
     name = str(doc["name"])
