@@ -143,3 +143,28 @@ def test_zombie_loses_its_lease(settings, pipeline_name) -> None:
     new.check()
     with pytest.raises(LeaseLost, match="lease lost to successor"):
         old.check()
+
+
+def test_a_renewed_lease_outlives_its_ttl_and_fences_a_takeover(settings, pipeline_name) -> None:
+    """A batch that renews its lease is never taken over, however long it runs; a plain rerun waits for
+    a lapsed owner's lease at most one TTL; the token fences the older holder."""
+    import time
+
+    from millpond.errors import LeaseLost as Lost
+    from millpond.lake.lease import Lease
+
+    held = Lease.acquire(settings, pipeline_name, owner="long-batch", ttl_s=1.5)
+    with held.keep() as keeper:
+        time.sleep(3.5)  # more than two TTLs: only renewals keep it
+        with pytest.raises(Lost, match="is being run by long-batch"):
+            Lease.acquire(settings, pipeline_name, owner="intruder", ttl_s=1.5)
+        keeper.check()
+    start = time.monotonic()
+    taken = Lease.acquire(settings, pipeline_name, owner="next-run", ttl_s=1.5, wait=True)
+    assert time.monotonic() - start <= 2.5  # waited for the lapse, not longer
+    assert taken.token == held.token + 1
+    with pytest.raises(Lost):
+        held.check()
+    with pytest.raises(Lost):
+        held.renew()
+    taken.release()

@@ -6,16 +6,20 @@ token; a run checks that its token is still the current one before each commit, 
 that lost the lease while paused) stops instead of writing. Delta's own conflict detection on the
 batch's application transaction id backs this up for the instant between check and commit.
 
-A run's owner id is ``MILLPOND_RUN_ID`` when set (Airflow passes the DAG run id, so a retry of the
-same run takes its lease back at once); otherwise an id of the process, and a crashed process's lease
-is taken over after it expires (``MILLPOND_LEASE_TTL_S``, default 600 s).
+A run's owner id is the Airflow run's identity when a DAG task runs the batch (so a retry of the same
+run takes its lease back at once, while the killed attempt stays fenced by the token), or
+``MILLPOND_RUN_ID`` when set; otherwise an id of the process. A running batch renews its lease every
+third of the TTL (``lease.ttl``), so a short TTL is safe and a long batch is never taken over; a crashed
+process's lease lapses after at most one TTL, and ``acquire(wait=True)`` waits that long, saying so.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,6 +30,8 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from millpond.config import Settings
 from millpond.errors import LeaseLost, MillpondError, StoreUnreachable
+
+log = logging.getLogger(__name__)
 
 #: a process retrying its own failed batch takes its lease back; the token still fences its older attempts
 PROCESS_OWNER = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -72,7 +78,22 @@ class Lease:
 
     @classmethod
     def acquire(cls, settings: Settings, pipeline: str, owner: str | None = None,
-                ttl_s: float | None = None) -> Lease:
+                ttl_s: float | None = None, wait: bool = False) -> Lease:
+        """Take the lease, or raise :class:`LeaseLost` naming its holder. ``wait``: while another owner's
+        lease is live, wait until it lapses (at most one TTL), logging what it waits for."""
+        deadline = time.time() + (settings.lease_ttl_s if ttl_s is None else ttl_s) + 1
+        while True:
+            try:
+                return cls._acquire(settings, pipeline, owner, ttl_s)
+            except LeaseLost as exc:
+                remaining = getattr(exc, "expires", 0) - time.time()
+                if not wait or remaining <= 0 or time.time() + remaining > deadline + 1:
+                    raise
+                log.warning("%s; waiting %.0f s for it to lapse", str(exc).split(":")[0], remaining)
+                time.sleep(min(remaining + 0.2, 5.0))
+
+    @classmethod
+    def _acquire(cls, settings: Settings, pipeline: str, owner: str | None, ttl_s: float | None) -> Lease:
         owner = owner or os.environ.get("MILLPOND_RUN_ID") or PROCESS_OWNER
         ttl_s = settings.lease_ttl_s if ttl_s is None else ttl_s
         client = s3_client(settings)
@@ -80,10 +101,13 @@ class Lease:
         current, etag = _read(client, settings, key)
         now = time.time()
         if current and current["owner"] != owner and current["expires"] > now:
-            raise LeaseLost(
+            exc = LeaseLost(
                 f"pipeline {pipeline} is being run by {current['owner']} (token {current['token']}, lease until "
-                f"{time.strftime('%H:%M:%SZ', time.gmtime(current['expires']))}): this run stops without writing"
+                f"{time.strftime('%H:%M:%SZ', time.gmtime(current['expires']))}): this run stops without writing "
+                "(see docs/operations.md#after-a-failed-run)"
             )
+            exc.expires = current["expires"]
+            raise exc
         token = (current["token"] if current else 0) + 1
         body = json.dumps({"owner": owner, "token": token, "expires": now + ttl_s, "acquired": now}).encode()
         condition = {"IfMatch": etag} if current else {"IfNoneMatch": "*"}
@@ -109,6 +133,35 @@ class Lease:
             )
         self.etag = etag
 
+    def renew(self) -> None:
+        """Move the expiry one TTL ahead, keeping the token; :class:`LeaseLost` if another run holds it.
+        A stale ETag (this run's own check read the object meanwhile) is refreshed once and retried."""
+        for attempt in (1, 2):
+            now = time.time()
+            body = json.dumps({"owner": self.owner, "token": self.token, "expires": now + self.ttl_s, "renewed": now})
+            try:
+                resp = s3_client(self.settings).put_object(Bucket=self.settings.bucket_lake, Key=self.key,
+                                                           Body=body.encode(), IfMatch=self.etag)
+            except ClientError as exc:
+                code = exc.response.get("Error", {}).get("Code")
+                if code not in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    raise MillpondError(f"lease for {self.pipeline}: {exc}") from exc
+                current, etag = _read(s3_client(self.settings), self.settings, self.key)
+                if attempt == 2 or not current or (current["owner"], current["token"]) != (self.owner, self.token):
+                    raise LeaseLost(f"pipeline {self.pipeline}: lease taken over; this run (token {self.token}) "
+                                    "stops before committing") from exc
+                self.etag = etag
+                continue
+            except BotoCoreError as exc:
+                raise StoreUnreachable(
+                    f"object store unreachable at {self.settings.s3_endpoint} (lease): {exc}") from exc
+            self.etag = resp["ETag"]
+            return
+
+    def keep(self) -> LeaseKeeper:
+        """A background renewal for the length of a ``with`` block (see :class:`LeaseKeeper`)."""
+        return LeaseKeeper(self)
+
     def release(self) -> None:
         """Expire the lease now so the next run need not wait (only if still ours)."""
         body = json.dumps({"owner": self.owner, "token": self.token, "expires": 0, "released": time.time()})
@@ -117,6 +170,42 @@ class Lease:
                                                 Body=body.encode(), IfMatch=self.etag)
         except (ClientError, BotoCoreError):
             pass  # lost meanwhile, or the store is gone: the lease expires on its own
+
+
+class LeaseKeeper:
+    """Renews a held lease every third of its TTL while a batch runs. A failed renewal is kept and raised
+    by the next ``check()`` of the batch's own thread: the batch stops before its next commit."""
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{lease.pipeline}", daemon=True)
+        self.error: Exception | None = None
+
+    def _run(self) -> None:
+        period = max(0.5, self.lease.ttl_s / 3)
+        while not self._stop.wait(period):
+            try:
+                self.lease.renew()
+            except (LeaseLost, MillpondError) as exc:
+                self.error = exc
+                return
+            except Exception as exc:  # noqa: BLE001 - a renewal must never kill the batch's process
+                log.warning("lease renewal for %s failed: %s", self.lease.pipeline, exc)
+
+    def check(self) -> None:
+        """Raise what the renewal found (lost lease), then check the token as before each commit."""
+        if isinstance(self.error, LeaseLost):
+            raise self.error
+        self.lease.check()
+
+    def __enter__(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def lease_key(settings: Settings, pipeline: str) -> str:
