@@ -25,15 +25,25 @@ def _subfolders(settings: Settings, prefix: str) -> list[str]:
     return sorted(o.object_name[len(prefix):].strip("/") for o in objects if o.is_dir)
 
 
+def _holds_objects(settings: Settings, prefix: str) -> bool:
+    """Whether anything is stored under ``prefix`` (some stores keep emptied folders around)."""
+    try:
+        return next(iter(ObjectStore(settings).mc.list_objects(settings.bucket_lake, prefix=prefix, recursive=True)),
+                    None) is not None
+    except Exception as exc:  # noqa: BLE001 - every SDK failure is translated
+        raise translate(exc, settings, settings.bucket_lake) from exc
+
+
 def lake_pipelines(settings: Settings) -> list[str]:
     """Pipelines that have at least one table in the lake."""
-    return _subfolders(settings, f"{settings.table_root.strip('/')}/")
+    return [p for p in _subfolders(settings, f"{settings.table_root.strip('/')}/") if lake_tables(settings, p)]
 
 
 def lake_tables(settings: Settings, pipeline: str) -> list[str]:
-    """Tables of one pipeline in the lake (folders holding a ``_delta_log``)."""
+    """Tables of one pipeline in the lake (folders holding a non-empty ``_delta_log``)."""
     root = f"{settings.table_root.strip('/')}/{pipeline}/"
-    return [t for t in _subfolders(settings, root) if "_delta_log" in _subfolders(settings, f"{root}{t}/")]
+    return [t for t in _subfolders(settings, root) if "_delta_log" in _subfolders(settings, f"{root}{t}/")
+            and _holds_objects(settings, f"{root}{t}/_delta_log/")]
 
 
 def version_at(dt: DeltaTable, when: datetime) -> int | None:
@@ -75,3 +85,13 @@ def execute_sql(snapshots: dict[str, DeltaTable], sql: str) -> pa.Table:
     except Exception as exc:  # noqa: BLE001 - DataFusion/delta-rs errors become one line
         msg = " ".join(str(exc).split())
         raise MillpondError(f"query failed: {msg[:400]}") from exc
+
+
+def drop_pipeline(settings: Settings, pipeline: str) -> int:
+    """Delete every table of ``pipeline`` and its lease; refused while a batch of it holds a live lease.
+    Returns the number of objects deleted."""
+    from millpond.lake.lease import Lease
+
+    lease = Lease.acquire(settings, pipeline, owner=f"reset-{pipeline}")  # raises LeaseLost while a batch runs
+    lease.release()
+    return ObjectStore(settings).delete_prefix(settings.bucket_lake, f"{settings.table_root.strip('/')}/{pipeline}/")

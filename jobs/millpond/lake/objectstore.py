@@ -135,6 +135,18 @@ class ObjectStore:
                 o.last_modified.timestamp() if o.last_modified else 0.0,
             )
 
+    def delete_prefix(self, bucket: str, prefix: str) -> int:
+        """Delete every object under ``prefix``; return how many were deleted."""
+        from minio.deleteobjects import DeleteObject
+
+        keys = [o.key for o in self.list(bucket, prefix)]
+        for lo in range(0, len(keys), 1000):
+            errors = self._call(lambda lo=lo: list(self.mc.remove_objects(
+                bucket, [DeleteObject(k) for k in keys[lo:lo + 1000]])), bucket=bucket)
+            if errors:
+                raise MillpondError(f"could not delete {errors[0].object_name} in {bucket}: {errors[0].message}")
+        return len(keys)
+
     def upload_dir(self, bucket: str, prefix: str, root) -> int:
         """Upload a local folder (e.g. Data Docs) under ``prefix``; return the number of files."""
         import mimetypes

@@ -8,6 +8,7 @@ import argparse
 
 from millpond.config import load_settings
 from millpond.errors import MillpondError
+from millpond.lake.catalog import drop_pipeline, lake_tables
 from millpond.orchestration.airflow_stack import ADMIN_USER, AirflowStack
 from millpond.orchestration.backfill import Backfill, parse_time
 from millpond.quality.context import site_dir
@@ -74,4 +75,26 @@ def _docs(args: argparse.Namespace) -> int:
         print(f"published {n} files to s3://{settings.bucket_reports}/{PUBLISH_PREFIX}/")
     if not args.no_serve:
         serve(index.parent, args.port)
+    return 0
+
+
+def _configure_reset(p: argparse.ArgumentParser) -> None:
+    p.add_argument("pipeline", help="the pipeline whose tables and lease to drop")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation (scripts)")
+
+
+@command("reset", "drop a pipeline's tables and lease (asks first; refused while a batch runs)", _configure_reset)
+def _reset(args: argparse.Namespace) -> int:
+    settings = load_settings()
+    have = lake_tables(settings, args.pipeline)
+    if not have:
+        print(f"{args.pipeline}: no tables in the lake, nothing to reset")
+        return 0
+    if not args.yes:
+        answer = input(f"drop {args.pipeline}'s {len(have)} tables ({', '.join(have)}) for good? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing dropped")
+            return 1
+    n = drop_pipeline(settings, args.pipeline)
+    print(f"{args.pipeline}: dropped {len(have)} tables ({n} objects); its next batch starts from scratch")
     return 0
