@@ -147,17 +147,39 @@ class ObjectStore:
                 raise MillpondError(f"could not delete {errors[0].object_name} in {bucket}: {errors[0].message}")
         return len(keys)
 
-    def upload_dir(self, bucket: str, prefix: str, root) -> int:
-        """Upload a local folder (e.g. Data Docs) under ``prefix``; return the number of files."""
+    def upload_dir(self, bucket: str, prefix: str, root, manifest=None) -> int:
+        """Upload a local folder (e.g. Data Docs) under ``prefix``; return the number of files uploaded.
+
+        With ``manifest`` (a local JSON file), only files added or changed since the last upload through the
+        same manifest are sent, and objects of files deleted locally since then are removed: a site that
+        gains a page per batch is published in time that does not grow with its history."""
+        import hashlib
+        import json
         import mimetypes
         from pathlib import Path
 
+        root = Path(root)
+        sent: dict[str, str] = {}
+        if manifest is not None and Path(manifest).exists():
+            sent = json.loads(Path(manifest).read_text()).get(f"{bucket}/{prefix}", {})
+        now: dict[str, str] = {}
         n = 0
-        for path in sorted(Path(root).rglob("*")):
-            if path.is_file():
-                key = f"{prefix.rstrip('/')}/{path.relative_to(root).as_posix()}"
-                # A content type per file so the site is browsable straight from the bucket.
-                ctype = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
-                self._call(self.mc.fput_object, bucket, key, str(path), content_type=ctype, bucket=bucket)
-                n += 1
+        for path in sorted(root.rglob("*")):
+            if not path.is_file() or (manifest is not None and path == Path(manifest)):
+                continue
+            rel = path.relative_to(root).as_posix()
+            now[rel] = hashlib.sha1(path.read_bytes()).hexdigest()  # a rebuild rewrites unchanged files
+            if sent.get(rel) == now[rel]:
+                continue
+            key = f"{prefix.rstrip('/')}/{rel}"
+            # A content type per file so the site is browsable straight from the bucket.
+            ctype = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+            self._call(self.mc.fput_object, bucket, key, str(path), content_type=ctype, bucket=bucket)
+            n += 1
+        if manifest is not None:
+            for rel in sorted(set(sent) - set(now)):
+                self._call(self.mc.remove_object, bucket, f"{prefix.rstrip('/')}/{rel}", bucket=bucket)
+            doc = json.loads(Path(manifest).read_text()) if Path(manifest).exists() else {}
+            doc[f"{bucket}/{prefix}"] = now
+            Path(manifest).write_text(json.dumps(doc))
         return n

@@ -173,14 +173,17 @@ def build_data_docs(settings: Settings) -> Path:
 
 
 def publish_data_docs(settings: Settings, *, rebuild: bool = True) -> int:
-    """Upload the built site to ``s3://<reports>/data_docs/``; return the number of files."""
+    """Upload what changed in the built site since the last publish from this home to
+    ``s3://<reports>/data_docs/`` (new pages, the index; pruned pages are removed); return the number of
+    files uploaded."""
     from millpond.lake.objectstore import ObjectStore
     from millpond.quality.context import site_dir
 
     site = build_data_docs(settings).parent if rebuild else site_dir(settings)
     if not (site / "index.html").exists():
         raise MillpondError(f"no Data Docs built under {site}: run `millpond docs --no-serve` first")
-    return ObjectStore(settings).upload_dir(settings.bucket_reports, PUBLISH_PREFIX, site)
+    return ObjectStore(settings).upload_dir(settings.bucket_reports, PUBLISH_PREFIX, site,
+                                            manifest=site.parent / "published.json")
 
 
 def serve(site: Path, port: int, host: str = "127.0.0.1") -> None:
