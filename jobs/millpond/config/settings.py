@@ -237,6 +237,11 @@ class Settings:
         default = PROJECT_ROOT / "var" / "datadocs-assets" / "node_modules"
         return Path(self.datadocs_assets) if self.datadocs_assets else default
 
+    @property
+    def spark_connect_url(self) -> str:
+        """Where a Spark Connect client connects: the configured endpoint, or the stack's own server."""
+        return self.spark_connect or f"sc://127.0.0.1:{self.spark_connect_port}"
+
     def table_uri(self, pipeline: str, name: str) -> str:
         """Delta tables live at s3://<lake>/<root>/<pipeline>/<name>."""
         return f"s3://{self.bucket_lake}/{self.table_root}/{pipeline}/{name}"

@@ -104,6 +104,7 @@ def _run(args: argparse.Namespace) -> int:
             raise MillpondError(f"unknown pipeline(s) {', '.join(missing)}: have {', '.join(specs)}")
         specs = {k: v for k, v in specs.items() if k in wanted}
     from millpond.orchestration.airflow_stack import AirflowStack, admin_password
+    from millpond.orchestration.spark_server import SparkConnectServer
 
     stack = AirflowStack(settings)
     via_airflow = not args.direct and stack.running()
@@ -115,6 +116,10 @@ def _run(args: argparse.Namespace) -> int:
     print("Millpond is up.")
     if via_airflow:
         print(f"  Airflow UI:  {stack.url}  (user admin, password {admin_password(settings)})")
+    spark = SparkConnectServer(settings)
+    if settings.spark_connect or spark.running():
+        print(f"  Spark:       {settings.spark_connect_url} (engine {settings.engine})"
+              + ("" if settings.spark_connect else f"; Spark UI {spark.ui_url}"))
     print(f"  Tables:      s3://{settings.bucket_lake}/{settings.table_root}/<pipeline>/"
           "{panes,current,windows,late,quarantine,batches} at " + settings.s3_endpoint)
     for spec in specs.values():

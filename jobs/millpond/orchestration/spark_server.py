@@ -1,0 +1,214 @@
+"""The stack's warm Spark: a Spark Connect server from pyspark's own jars, on loopback.
+
+Why a server: a JVM per Airflow task costs 10-16 s here; a Connect client answers in under a second. Tasks
+are clients (``sc://127.0.0.1:<port>``): no JVM starts in a task process. The server's master is
+``spark.master`` (``local[*]`` by default, or a ``spark://``/``k8s://`` cluster); a deployment that runs
+its own Connect endpoint names it in ``spark.connect`` and the stack starts nothing.
+
+The standalone cluster helpers (a master and workers from pyspark's launcher) serve scale-out tests and
+laptops that want to see a cluster; each process is its own group with a PID file, like every service.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from millpond.config import Settings
+from millpond.errors import MillpondError, PrerequisiteMissing
+from millpond.orchestration.processes import port_free, read_pid, run_dir, stop_group
+from millpond.prerequisites import require_java
+
+SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+
+
+def spark_home() -> Path:
+    """The installed pyspark package: it ships Spark's jars, launch scripts and the Connect server."""
+    import pyspark
+
+    return Path(pyspark.__file__).resolve().parent
+
+
+def spark_env(settings: Settings) -> dict[str, str]:
+    """Environment of every Spark JVM we start: the project's interpreter for Python workers, loopback."""
+    env = dict(os.environ)
+    env.update({
+        "SPARK_HOME": str(spark_home()),
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "SPARK_LOG_DIR": str(settings.home / "log"),
+        "SPARK_WORKER_DIR": str(settings.home / "spark" / "work"),
+        # executors import millpond from this checkout, installed or not
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                    os.environ.get("PYTHONPATH")])),
+    })
+    return env
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class SparkConnectServer:
+    """``spark-submit --class SparkConnectServer`` as one process group, data and logs under ``var/``."""
+
+    def __init__(self, settings: Settings, master: str | None = None) -> None:
+        self.settings = settings
+        self.master = master or settings.spark_master
+        self.pidfile = run_dir(settings) / "spark-connect.pid"
+        self.logfile = settings.home / "log" / "spark-connect.log"
+
+    @property
+    def url(self) -> str:
+        return f"sc://127.0.0.1:{self.settings.spark_connect_port}"
+
+    @property
+    def ui_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.spark_ui_port}"
+
+    def running(self) -> bool:
+        return read_pid(self.pidfile) is not None
+
+    def command(self) -> list[str]:
+        home, s = self.settings.home, self.settings
+        conf = {
+            "spark.connect.grpc.binding.port": s.spark_connect_port,
+            "spark.connect.grpc.binding.address": "127.0.0.1",
+            "spark.driver.host": "127.0.0.1",
+            "spark.driver.bindAddress": "127.0.0.1",
+            "spark.ui.port": s.spark_ui_port,
+            "spark.driver.memory": s.spark_driver_memory,
+            "spark.sql.shuffle.partitions": s.spark_shuffle_partitions,
+            "spark.default.parallelism": s.spark_shuffle_partitions,
+            "spark.sql.session.timeZone": "UTC",
+            "spark.sql.execution.arrow.pyspark.enabled": "true",
+            "spark.sql.adaptive.enabled": "false",
+            "spark.python.worker.reuse": "true",
+            "spark.jars.ivy": home / "spark" / "ivy",
+            "spark.local.dir": home / "spark" / "local",
+            "spark.sql.warehouse.dir": home / "spark" / "warehouse",
+            "spark.executorEnv.PYTHONPATH": spark_env(s)["PYTHONPATH"],
+            "spark.executorEnv.PYSPARK_PYTHON": sys.executable,
+        }
+        args = [str(spark_home() / "bin" / "spark-submit"), "--class", SERVER_CLASS, "--master", self.master,
+                "--name", "millpond-connect"]
+        for key, value in conf.items():
+            args += ["--conf", f"{key}={value}"]
+        return [*args, "spark-internal"]
+
+    def start(self, timeout: float = 120.0) -> bool:
+        """Start if not running (idempotent); wait until a client can connect. True if started."""
+        if self.running():
+            return False
+        require_java()
+        ports = (("Spark Connect", self.settings.spark_connect_port), ("Spark UI", self.settings.spark_ui_port))
+        for name, port in ports:
+            if not port_free(port):
+                var = "MILLPOND_SPARK_CONNECT_PORT" if name == "Spark Connect" else "MILLPOND_SPARK_UI_PORT"
+                raise PrerequisiteMissing(f"port {port} ({name}) is in use by another program: stop it or set {var}")
+        for sub in ("spark/ivy", "spark/local", "spark/warehouse", "log"):
+            (self.settings.home / sub).mkdir(parents=True, exist_ok=True)
+        with open(self.logfile, "ab") as log:
+            proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=spark_env(self.settings), start_new_session=True, cwd=self.settings.home)
+        self.pidfile.write_text(str(proc.pid))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                self.pidfile.unlink(missing_ok=True)
+                raise MillpondError(
+                    f"Spark Connect server exited at start (code {proc.returncode}): see {self.logfile}")
+            if _listening(self.settings.spark_connect_port):
+                return True
+            time.sleep(0.5)
+        self.stop()
+        raise MillpondError(f"Spark Connect server did not listen within {timeout:.0f}s: see {self.logfile}")
+
+    def stop(self) -> bool:
+        return stop_group(self.pidfile)
+
+    def status(self) -> str:
+        pid = read_pid(self.pidfile)
+        if self.settings.spark_connect:
+            return f"spark: external Connect endpoint {self.settings.spark_connect}"
+        if pid is None:
+            return "spark: stopped"
+        return f"spark: running (pid {pid}) at {self.url}, master {self.master}; UI {self.ui_url}"
+
+
+class StandaloneCluster:
+    """A Spark standalone master and ``workers`` worker JVMs on loopback (pyspark's launcher)."""
+
+    def __init__(self, settings: Settings, workers: int = 2, cores: int = 1, memory: str = "1g",
+                 master_port: int = 0, name: str = "spark-standalone") -> None:
+        self.settings, self.workers, self.cores, self.memory, self.name = settings, workers, cores, memory, name
+        self.master_port = master_port or _free_port()
+        self.master_url = f"spark://127.0.0.1:{self.master_port}"
+
+    def pidfile(self, role: str) -> Path:
+        return run_dir(self.settings) / f"{self.name}-{role}.pid"
+
+    def _launch(self, role: str, cls: str, *args: str) -> None:
+        log = self.settings.home / "log" / f"{self.name}-{role}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen([str(spark_home() / "bin" / "spark-class"), cls, *args], stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                    env=spark_env(self.settings), cwd=self.settings.home)
+        self.pidfile(role).write_text(str(proc.pid))
+
+    def start(self, timeout: float = 90.0) -> str:
+        """Start the master and the workers; wait until every worker has registered. Returns the master URL."""
+        require_java()
+        (self.settings.home / "spark" / "work").mkdir(parents=True, exist_ok=True)
+        ui = _free_port()
+        self._launch("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                     "--port", str(self.master_port), "--webui-port", str(ui))
+        for i in range(self.workers):
+            self._launch(f"worker{i}", "org.apache.spark.deploy.worker.Worker", self.master_url, "--host", "127.0.0.1",
+                         "--cores", str(self.cores), "--memory", self.memory, "--webui-port", str(_free_port()))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.alive_workers(ui) >= self.workers:
+                return self.master_url
+            time.sleep(1)
+        self.stop()
+        raise MillpondError(f"Spark standalone cluster did not come up within {timeout:.0f}s")
+
+    def alive_workers(self, ui_port: int) -> int:
+        import json
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/json/", timeout=2) as resp:
+                return int(json.loads(resp.read()).get("aliveworkers", 0))
+        except OSError:
+            return 0
+
+    def kill_worker(self, index: int) -> bool:
+        """SIGKILL one worker's process group (a lost machine), for failure tests."""
+        import signal
+
+        pid = read_pid(self.pidfile(f"worker{index}"))
+        if pid is None:
+            return False
+        os.killpg(pid, signal.SIGKILL)
+        return True
+
+    def stop(self) -> None:
+        for i in range(self.workers):
+            stop_group(self.pidfile(f"worker{i}"))
+        stop_group(self.pidfile("master"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
