@@ -51,11 +51,14 @@ from millpond.model.spec import PipelineSpec, pipeline_from_dict
 from millpond.model.timeutil import MAX_TS, US, iso, to_datetime
 from millpond.orchestration.processes import read_pid
 from millpond.orchestration.store import EmbeddedStore, isolated_store_env
-from millpond.runtime import microbatch
+from millpond.runtime.job import run_batch
 
 from bench.workload import WorkloadSpec, generate, jsonl_bytes, land, write_local
 
 GIB = 1024**3
+#: the default path: the per-key step on Spark from this many new elements, in this process below (measured
+#: faster on two cores at every smaller size)
+SPARK_FROM = 1_000_000
 REFERENCE = PROJECT_ROOT / "tests" / "reference"
 
 #: (b) sessions, early panes, retractions; the trigger has a faithful Beam mapping (no AtPeriod)
@@ -284,13 +287,13 @@ class Bench:
         ``LOCAL_THRESHOLD``); "spark" also forces the Spark path; "driver" passes none (the per-key step
         runs in this process)."""
         spark = self.spark if path in ("default", "spark") else None
-        threshold = microbatch.LOCAL_THRESHOLD
-        if path == "spark":
-            microbatch.LOCAL_THRESHOLD = 0
+        settings = self.settings
+        self.settings = settings.with_overrides(engine="spark" if spark is not None else "local",
+                                                engine_local_below=0 if path == "spark" else SPARK_FROM)
         try:
             return self._run_ours(spec, wl, path, spark, flush, validate)
         finally:
-            microbatch.LOCAL_THRESHOLD = threshold
+            self.settings = settings
 
     def batch_steps(self, spec: PipelineSpec, wl: Workload, spark=None, flush: bool = False,
                     validate: bool = False) -> Iterator[dict[str, Any]]:
@@ -301,12 +304,11 @@ class Bench:
             times.append((times[-1][0] + interval, MAX_TS))
         for p, wm in times:
             t = time.perf_counter()
-            r = microbatch.run_batch(self.settings, spec, to_datetime(p),
-                                     watermark=None if wm is None else to_datetime(wm), spark=spark,
-                                     validate=validate)
+            r = run_batch(self.settings, spec, to_datetime(p),
+                          watermark=None if wm is None else to_datetime(wm), spark=spark, validate=validate)
             seconds = time.perf_counter() - t
-            which = "spark" if spark is not None and r.counts.get("accepted", 0) >= microbatch.LOCAL_THRESHOLD \
-                else "driver"
+            which = "spark" if spark is not None and self.settings.engine == "spark" and \
+                r.counts.get("accepted", 0) >= self.settings.engine_local_below else "driver"
             yield {"batch": r.batch, "seconds": round(seconds, 4), "path": which,
                    "phases": {k: round(v, 4) for k, v in r.phases.items()}, "counts": r.counts}
 
@@ -535,7 +537,7 @@ class Bench:
                         ours_seconds=ours["seconds"], peer_seconds=bare["seconds"], phases=ours["phases"],
                         driver_path_seconds=driver["seconds"],
                         notes="per-key step forced onto Spark (mapInArrow, one Python call per partition); the "
-                              f"engine picks it at >= LOCAL_THRESHOLD={microbatch.LOCAL_THRESHOLD} new elements")
+                              f"engine picks it at >= engine.local_below={SPARK_FROM} new elements")
         self.measures["spark_path"] = rows
 
     def measure_beam(self) -> None:
@@ -760,7 +762,7 @@ def machine() -> dict[str, Any]:
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "os": platform.platform(), "python": platform.python_version(), "java": java,
         "spark": versions.get("pyspark"), "versions": versions, "beam": beam,
-        "local_threshold": microbatch.LOCAL_THRESHOLD,
+        "local_threshold": SPARK_FROM,
     }
 
 

@@ -10,10 +10,11 @@ import pyarrow as pa
 from deltalake import DeltaTable
 from millpond.lake.landing import arrival_tag
 from millpond.lake.objectstore import ObjectStore
+from millpond.lake.schemas import OUTPUT_TABLES
 from millpond.lake.tables import Tables, Txn
 from millpond.model.spec import pipeline_from_dict
 from millpond.model.timeutil import to_us
-from millpond.runtime.microbatch import OUTPUT_TABLES, run_batch
+from millpond.runtime.job import run_batch
 from test_state_bounds import land, minute
 
 

@@ -22,7 +22,7 @@ from millpond.model.spec import pipeline_from_dict
 from millpond.model.step import BatchClock
 from millpond.model.timeutil import US, iso, to_us
 from millpond.runtime.computation import ComputationBatch, output_watermark
-from millpond.runtime.microbatch import run_batch
+from millpond.runtime.job import run_batch
 
 T0 = datetime(2026, 4, 1, 12, 0, tzinfo=UTC)
 MIN = 60 * US

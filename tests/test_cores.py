@@ -10,8 +10,8 @@ import pytest
 from millpond.lake.objectstore import ObjectStore
 from millpond.model.spec import pipeline_from_dict
 from millpond.model.timeutil import to_datetime
-from millpond.runtime import cores, microbatch
-from millpond.runtime.microbatch import run_batch
+from millpond.runtime import cores, layout
+from millpond.runtime.job import run_batch
 
 from bench.workload import WorkloadSpec, generate, land
 
@@ -100,14 +100,13 @@ def test_forked_per_key_step_matches_one_process(settings, tables, pipeline_name
     doc = {**SESSIONS, "allowed_lateness": "1h"}
     forks = _count_calls(monkeypatch, cores, "map_ranges", lambda out: len(out) - 1)
     names, forked = {}, {}
-    for workers, min_range in ((0, cores.MIN_RANGE), (2, 500)):
+    for workers, min_range in ((0, settings.driver_min_range), (2, 500)):
         name = names[workers] = f"{pipeline_name}_w{workers}"
         land(store, settings.bucket_landing, f"{name}/", spec_w, events)
         spec = pipeline_from_dict({"name": name, "source": {"prefix": f"{name}/"}, **doc})
-        monkeypatch.setattr(cores, "WORKERS", workers)
-        monkeypatch.setattr(cores, "MIN_RANGE", min_range)
+        local = settings.with_overrides(engine="local", driver_workers=workers, driver_min_range=min_range)
         for b in range(spec_w.batches + 1):
-            run_batch(settings, spec, to_datetime(spec_w.start_us + (b + 1) * spec_w.interval_us))
+            run_batch(local, spec, to_datetime(spec_w.start_us + (b + 1) * spec_w.interval_us))
         forked[workers] = sum(forks)
         forks.clear()
     assert forked[0] == 0 and forked[2] >= 2 * spec_w.batches  # each batch: this process and two forks
@@ -115,7 +114,6 @@ def test_forked_per_key_step_matches_one_process(settings, tables, pipeline_name
     assert one["panes"] and one["current"] and one["windows"]
     for table in one:
         assert [r.replace(names[0], "P") for r in one[table]] == [r.replace(names[2], "P") for r in split[table]], table
-    assert microbatch.LOCAL_THRESHOLD > spec_w.events  # both ran the driver path
 
 
 def test_spark_and_element_paths_match_the_driver_path(settings, tables, spark, pipeline_name, monkeypatch) -> None:
@@ -126,8 +124,7 @@ def test_spark_and_element_paths_match_the_driver_path(settings, tables, spark, 
     events = generate(spec_w)
     store = ObjectStore(settings)
     doc = {**SESSIONS, "allowed_lateness": "10m"}
-    formed = _count_calls(monkeypatch, microbatch, "_formed", lambda got: 0 if got is None else int(got[1].sum()))
-    monkeypatch.setattr(cores, "WORKERS", 0)
+    formed = _count_calls(monkeypatch, layout, "form_windows", lambda got: 0 if got is None else int(got[1].sum()))
     partitions = spark.conf.get("spark.sql.shuffle.partitions")
     spark.conf.set("spark.sql.shuffle.partitions", "3")
     names, formed_by = {}, {}
@@ -136,10 +133,10 @@ def test_spark_and_element_paths_match_the_driver_path(settings, tables, spark, 
             name = names[path] = f"{pipeline_name}_{path}"
             land(store, settings.bucket_landing, f"{name}/", spec_w, events)
             spec = pipeline_from_dict({"name": name, "source": {"prefix": f"{name}/"}, **doc})
-            monkeypatch.setattr(microbatch, "COLUMNAR", path != "element")
-            monkeypatch.setattr(microbatch, "LOCAL_THRESHOLD", 0 if path == "spark" else 10**9)
+            chosen = settings.with_overrides(engine="spark" if path == "spark" else "local", engine_local_below=0,
+                                             columnar_windows=path != "element", driver_workers=0)
             for b in range(spec_w.batches + 1):
-                run_batch(settings, spec, to_datetime(spec_w.start_us + (b + 1) * spec_w.interval_us),
+                run_batch(chosen, spec, to_datetime(spec_w.start_us + (b + 1) * spec_w.interval_us),
                           spark=spark if path == "spark" else None)
             formed_by[path], formed[:] = sum(formed), []
     finally:

@@ -11,10 +11,11 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from millpond.errors import LeaseLost, MillpondError
+from millpond.lake.schemas import OUTPUT_TABLES
 from millpond.lake.tables import Tables
 from millpond.orchestration.store import EmbeddedStore
-from millpond.runtime import microbatch
-from millpond.runtime.microbatch import OUTPUT_TABLES, committed_versions
+from millpond.runtime import commits
+from millpond.runtime.microbatch import committed_versions
 from millpond.surface.replay import load_scenario_pipeline, read_events, replay
 
 SCENARIO = Path(__file__).parent / "scenarios"
@@ -78,17 +79,17 @@ def test_store_stopped_mid_batch(tmp_path, monkeypatch, reference) -> None:
         tables = Tables(s)
         spec = load_scenario_pipeline(PIPELINE, "eo_store")
         events = read_events(EVENTS)
-        real = microbatch.crash_point
+        real = commits.crash_point
 
         def stop_store(step: str, batch: int) -> None:
             if step == "panes" and batch == 3:
                 store.stop()
 
-        monkeypatch.setattr(microbatch, "crash_point", stop_store)
+        monkeypatch.setattr(commits, "crash_point", stop_store)
         with pytest.raises(MillpondError, match="unreachable"):
             replay(s, spec, events)
         store.start()
-        monkeypatch.setattr(microbatch, "crash_point", real)
+        monkeypatch.setattr(commits, "crash_point", real)
         # A reader pinned to the last committed batch sees batch 2 only, though batch 3's panes landed.
         versions = committed_versions(tables, "eo_store")
         pinned = tables.read_arrow("eo_store", "panes", version=versions["panes"])

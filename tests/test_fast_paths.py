@@ -13,6 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from millpond.config import load_settings
 from millpond.model import step as engine
 from millpond.model import triggers
 from millpond.model.spec import pipeline_from_dict
@@ -21,8 +22,10 @@ from millpond.model.step import BatchClock, Element, gc_time, timers
 from millpond.model.timeutil import MAX_TS
 from millpond.model.triggers import merge_states, parse_trigger
 from millpond.model.windows import Sessions, Window
-from millpond.runtime import microbatch
-from millpond.runtime.microbatch import EVENT_COLUMNS, _Assembly, _run_local, _strategy, key_rows
+from millpond.runtime import layout
+from millpond.runtime.assembly import Assembly, key_rows, strategy_of
+from millpond.runtime.engines.local import LocalEngine
+from millpond.runtime.layout import EVENT_COLUMNS
 
 MIN = 60_000_000
 
@@ -136,11 +139,11 @@ def _run(spec: str, batches: list[tuple[BatchClock, dict[str, list[Element]]]]) 
 def test_shortcuts_match_the_general_path(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     spec, batches = _scenario(seed)
     fast = _run(spec, batches)
-    _strategy.cache_clear()
+    strategy_of.cache_clear()
     with monkeypatch.context() as m:
         _general(m)
         general = _run(spec, batches)
-    _strategy.cache_clear()
+    strategy_of.cache_clear()
     assert fast == general
     assert any(rows for rows in fast)
 
@@ -184,22 +187,24 @@ def test_event_timer_never_after_garbage_collection() -> None:
             assert timers(ws, strategy, clock)[0] <= gc_time(ws.window, strategy.allowed_lateness)
 
 
-def _run_tables(spec: str, batches: list[tuple[BatchClock, dict[str, list[Element]]]]) -> list[dict[str, list]]:
-    """Every batch through the driver path's layout (``_run_local``, no forks), the ``windows`` rows
+def _run_tables(spec: str, batches: list[tuple[BatchClock, dict[str, list[Element]]]], columnar: bool
+                ) -> list[dict[str, list]]:
+    """Every batch through the local engine (no forks), windows formed on columns or not, the ``windows`` rows
     carried over as the table carries them: each batch's output tables as rows."""
     pipeline = pipeline_from_dict(json.loads(spec))
     value = pa.float64() if pipeline.value_type == "float" else pa.int64()
     types = {"id": pa.string(), "key": pa.string(), "value": value}
     schema = pa.schema([(c, types.get(c, pa.int64())) for c in EVENT_COLUMNS])
     stored: dict[tuple[str, int, int], dict[str, Any]] = {}
+    engine = LocalEngine(load_settings(env={}).with_overrides(driver_workers=0, columnar_windows=columnar))
     out = []
     for clock, by_key in batches:
         events = pa.Table.from_pylist([el._asdict() for els in by_key.values() for el in els], schema=schema)
         state = pa.Table.from_pylist(sorted(stored.values(), key=lambda r: (r["key"], r["window_start"])),
                                      schema=WINDOWS_SCHEMA)
-        sink = _Assembly(clock.batch, clock, pipeline.value_type, pipeline.pane_value_type,
-                         pipeline.mode.value == "discarding")
-        _run_local(spec, clock, events, state, sink)
+        sink = Assembly(clock.batch, clock, pipeline.value_type, pipeline.pane_value_type,
+                        pipeline.mode.value == "discarding")
+        engine.run(spec, clock, events, state, sink)
         sink.finish()
         for row in sink.state.to_pylist():
             at = (row["key"], row["window_start"], row["window_end"])
@@ -217,20 +222,17 @@ def test_windows_formed_on_columns_match_the_element_path(seed: int, monkeypatch
     collected) get their windows assigned, merged and grouped on columns; a key with a late element or
     stored windows, and every key of a sliding or global pipeline, keeps the element path."""
     spec, batches = _scenario(seed)
-    monkeypatch.setattr(microbatch.cores, "WORKERS", 0)
     formed: list[int] = []
-    real = microbatch._formed
+    real = layout.form_windows
 
     def counted(*args: Any) -> Any:
         got = real(*args)
         formed.append(0 if got is None else int(got[1].sum()))
         return got
 
-    monkeypatch.setattr(microbatch, "_formed", counted)
-    monkeypatch.setattr(microbatch, "COLUMNAR", True)
-    columnar = _run_tables(spec, batches)
-    monkeypatch.setattr(microbatch, "COLUMNAR", False)
-    reference = _run_tables(spec, batches)
+    monkeypatch.setattr(layout, "form_windows", counted)
+    columnar = _run_tables(spec, batches, columnar=True)
+    reference = _run_tables(spec, batches, columnar=False)
     assert columnar == reference
     assert any(b["panes"] or b["late"] for b in reference)
     window = json.loads(spec)["window"]["type"]
@@ -242,7 +244,6 @@ def test_windows_formed_on_columns_cover_many_keys(monkeypatch: pytest.MonkeyPat
     time, float sums that depend on the order values are added in): the same tables with and without
     the columnar path, for sessions and fixed windows."""
     rng = random.Random(17)
-    monkeypatch.setattr(microbatch.cores, "WORKERS", 0)
     t0 = 1_780_000_000_000_000
     for window in ({"type": "sessions", "gap": "2m"}, {"type": "fixed", "size": "1m", "offset": "10s"}):
         doc = {"name": "fast_paths", "source": {"prefix": "fast_paths/"}, "value_type": "float", "window": window,
@@ -266,8 +267,6 @@ def test_windows_formed_on_columns_cover_many_keys(monkeypatch: pytest.MonkeyPat
                 el = Element(f"b{b}e{n}", key, value, event, ptime - rng.randint(0, 4) * MIN)
                 by_key.setdefault(key, []).append(el)
             batches.append((clock, by_key))
-        monkeypatch.setattr(microbatch, "COLUMNAR", True)
-        columnar = _run_tables(spec, batches)
-        monkeypatch.setattr(microbatch, "COLUMNAR", False)
-        assert columnar == _run_tables(spec, batches)
+        columnar = _run_tables(spec, batches, columnar=True)
+        assert columnar == _run_tables(spec, batches, columnar=False)
         assert columnar[0]["late"] and columnar[1]["panes"]

@@ -10,7 +10,7 @@ from millpond.lake.landing import arrival_tag
 from millpond.lake.objectstore import ObjectStore
 from millpond.model.spec import pipeline_from_dict
 from millpond.model.timeutil import to_us
-from millpond.runtime.microbatch import run_batch
+from millpond.runtime.job import run_batch
 
 P = datetime(2026, 3, 1, 12, 5, tzinfo=UTC)
 ARRIVAL = arrival_tag(to_us(datetime(2026, 3, 1, 12, 0, tzinfo=UTC)))

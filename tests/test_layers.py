@@ -140,3 +140,11 @@ def test_modules_stay_small() -> None:
     big = [f"{p.relative_to(PACKAGE.parent)}: {n} lines" for p in PACKAGE.rglob("*.py")
            if (n := len(p.read_text().splitlines())) > 520]
     assert not big, "split along responsibilities: " + ", ".join(big)
+
+
+def test_runtime_functions_stay_short() -> None:
+    """A batch reads as a sequence of named steps: no function in the runtime grows past ~60 lines."""
+    long = [f"{p.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for p in (PACKAGE / "runtime").rglob("*.py") for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60]
+    assert not long, long

@@ -8,9 +8,11 @@ from datetime import UTC, datetime, timedelta
 
 from millpond.lake.landing import arrival_tag
 from millpond.lake.objectstore import ObjectStore
+from millpond.lake.schemas import OUTPUT_TABLES, STATE_TABLES
 from millpond.model.spec import pipeline_from_dict
 from millpond.model.timeutil import to_us
-from millpond.runtime.microbatch import COMPACT_OVER_FILES, MicroBatch, run_batch
+from millpond.runtime.job import run_batch
+from millpond.runtime.upkeep import COMPACT_OVER_FILES, upkeep_turns
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 
@@ -71,7 +73,7 @@ def test_upkeep_is_spread_over_batches(settings, tables, pipeline_name) -> None:
         assert len(now - seen) <= 1, f"batch {b + 1} wrote checkpoints of several tables: {sorted(now - seen)}"
         seen = now
     assert len({k.rsplit("/", 2)[0] for k in seen}) >= 5  # the tables took turns (young ones wait)
-    cycle = len(MicroBatch(settings, spec).upkeep_turns())
+    cycle = len(upkeep_turns(OUTPUT_TABLES, STATE_TABLES))
     for name in ("batches", "ingest_log", "seen_ids", "panes"):  # each gets a file from every batch
         files = tables.open(pipeline_name, name).file_uris()
         assert len(files) <= cycle, f"{name}: {len(files)} files after {batches} batches"

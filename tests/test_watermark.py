@@ -14,7 +14,8 @@ from millpond.lake.tables import Tables
 from millpond.model.spec import pipeline_from_dict
 from millpond.model.timeutil import US, to_us
 from millpond.model.watermark import WatermarkPolicy, advance
-from millpond.runtime.microbatch import SEEN_FOLD_OVER_FILES, run_batch
+from millpond.runtime.job import run_batch
+from millpond.runtime.steps.dedup import SEEN_FOLD_OVER_FILES
 
 T0 = datetime(2026, 4, 1, 12, 0, tzinfo=UTC)
 

@@ -156,6 +156,8 @@ OPTIONS: tuple[Option, ...] = (
            True, "new DAGs start paused (`make run` backfills, then unpauses)"),
     Option("airflow_scheduled_runs", "airflow.scheduled_runs", "MILLPOND_AIRFLOW_SCHEDULED_RUNS", _bool, True,
            "false: scheduled runs do nothing (manual runs and backfills still work)"),
+    Option("airflow_task_timeout_s", "airflow.task_timeout", "MILLPOND_AIRFLOW_TASK_TIMEOUT", _seconds, 1800.0,
+           "a DAG task running longer than this is stopped and retried"),
     Option("airflow_db_url", "airflow.db_url", "MILLPOND_AIRFLOW_DB_URL", _str, "",
            "Airflow metadata database (empty: SQLite under var/airflow)"),
     Option("demo", "demo", "MILLPOND_DEMO", _bool, False,
@@ -210,6 +212,7 @@ class Settings:
     airflow_start_timeout: float
     airflow_paused_at_creation: bool
     airflow_scheduled_runs: bool
+    airflow_task_timeout_s: float
     airflow_db_url: str
     demo: bool
     extra: dict[str, Any] = field(default_factory=dict, compare=False)

@@ -8,21 +8,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 
 from millpond.lake.delta_options import Txn, _commit, _wrap
-
-if TYPE_CHECKING:
-    from millpond.lake.tables import Tables
 
 
 @dataclass(frozen=True)
 class Table:
     """``s3://<lake>/<root>/<pipeline>/<name>``: read, append, merge, history, restore."""
 
-    tables: Tables
+    #: the process's ``millpond.lake.tables.Tables`` (its snapshots and caches)
+    tables: Any
     pipeline: str
     name: str
 

@@ -137,9 +137,9 @@ def combiner(name: str) -> Combiner:
     return cls()
 
 
-def output_arrow_type(comb: Combiner, value_type: str) -> str:
-    """'int64' or 'double': the pane value column's type for this pipeline."""
+def output_value_type(comb: Combiner, value_type: str) -> str:
+    """'int' or 'float' (the pipeline's vocabulary): the type of the values this combiner emits."""
     kind = comb.output_type
     if kind == "input":
         kind = value_type
-    return "int64" if kind == "int" else "double"
+    return "int" if kind == "int" else "float"

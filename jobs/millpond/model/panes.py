@@ -48,13 +48,13 @@ TS = pa.timestamp("us", tz="UTC")
 
 
 def pane_schema(value_type: str) -> pa.Schema:
-    """Schema of the ``panes`` table; ``value_type`` is 'int64' or 'double'."""
+    """Schema of the ``panes`` table; ``value_type`` is the emitted values' type, 'int' or 'float'."""
     return pa.schema(
         [
             ("key", pa.string()),
             ("window_start", TS),
             ("window_end", TS),
-            ("value", pa.int64() if value_type == "int64" else pa.float64()),
+            ("value", pa.int64() if value_type == "int" else pa.float64()),
             ("pane_index", pa.int64()),
             ("timing", pa.string()),
             ("is_last", pa.bool_()),
@@ -65,19 +65,3 @@ def pane_schema(value_type: str) -> pa.Schema:
             ("seq", pa.int64()),
         ]
     )
-
-
-def panes_table(panes: list[Pane], value_type: str) -> pa.Table:
-    schema = pane_schema(value_type)
-    cols: dict[str, list[Any]] = {f.name: [] for f in schema}
-    for p in panes:
-        for name in cols:
-            cols[name].append(getattr(p, name))
-    arrays = []
-    for f in schema:
-        data = cols[f.name]
-        if f.type == TS:
-            arrays.append(pa.array(data, pa.int64()).cast(TS))
-        else:
-            arrays.append(pa.array(data, f.type))
-    return pa.Table.from_arrays(arrays, schema=schema)

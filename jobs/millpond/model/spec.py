@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from millpond.model.accumulation import Accumulation
-from millpond.model.aggregations import combiner, output_arrow_type
+from millpond.model.aggregations import combiner, output_value_type
 from millpond.model.step import Strategy
 from millpond.model.timeutil import parse_duration
 from millpond.model.triggers import parse_trigger
@@ -50,7 +50,7 @@ class PipelineSpec:
 
     @property
     def pane_value_type(self) -> str:
-        return output_arrow_type(combiner(self.aggregation), self.value_type)
+        return output_value_type(combiner(self.aggregation), self.value_type)
 
 
 #: the keys a pipeline file may hold, and the keys of its blocks that are not interpreted elsewhere

@@ -47,6 +47,17 @@ class WindowFn:
 
     merging: bool = False
 
+    def span(self) -> int | None:
+        """The most event time one element's window covers (size, or the session gap): how long a record id
+        must be remembered beyond allowed lateness. None: unbounded or unknown (the global window, a custom fn)."""
+        return None
+
+    def reach(self) -> int | None:
+        """How far past an element a stored window it can fall into or merge with may start: the session gap,
+        0 for windows an element reaches only by lying inside them; None when unknown (a custom merging fn),
+        and then a batch reads every stored window of the keys it touches."""
+        return None
+
     def assign(self, ts: int) -> list[Window]:
         raise NotImplementedError
 
@@ -66,6 +77,9 @@ class WindowFn:
 
 
 class GlobalWindows(WindowFn):
+    def reach(self) -> int | None:
+        return 0
+
     def assign(self, ts: int) -> list[Window]:
         return [GLOBAL_WINDOW]
 
@@ -74,6 +88,12 @@ class FixedWindows(WindowFn):
     def __init__(self, size: Any, offset: Any = 0) -> None:
         self.size = parse_duration(size)
         self.offset = parse_duration(offset) % self.size
+
+    def span(self) -> int | None:
+        return self.size
+
+    def reach(self) -> int | None:
+        return 0
 
     def assign(self, ts: int) -> list[Window]:
         start = ts - (ts - self.offset) % self.size
@@ -92,6 +112,12 @@ class SlidingWindows(WindowFn):
         self.period = parse_duration(period)
         self.offset = parse_duration(offset) % self.period
 
+    def span(self) -> int | None:
+        return self.size
+
+    def reach(self) -> int | None:
+        return 0
+
     def assign(self, ts: int) -> list[Window]:
         last_start = ts - (ts - self.offset) % self.period
         out = []
@@ -109,6 +135,12 @@ class Sessions(WindowFn):
 
     def __init__(self, gap: Any) -> None:
         self.gap = parse_duration(gap)
+
+    def span(self) -> int | None:
+        return self.gap
+
+    def reach(self) -> int | None:
+        return self.gap
 
     def assign(self, ts: int) -> list[Window]:
         return [Window(ts, ts + self.gap)]

@@ -196,6 +196,7 @@ def build_dag(info: PipelineInfo, settings: Settings):
             "retries": 2,
             "retry_delay": timedelta(seconds=15),
             "retry_exponential_backoff": False,
+            "execution_timeout": timedelta(seconds=settings.airflow_task_timeout_s),
         },
         params={
             "dry_run": Param(False, type="boolean", description="Plan only: log the window, write nothing."),
@@ -243,17 +244,21 @@ def build_dag(info: PipelineInfo, settings: Settings):
             watermark = None
             if params.get("watermark_lag_override"):
                 watermark = processing_time - timedelta(microseconds=parse_duration(params["watermark_lag_override"]))
-            from millpond.runtime.microbatch import run_batch
+            from millpond.runtime.job import run_batch
 
             s = load_settings()
             spark = None
-            if s.engine == "spark":
-                from millpond.runtime.spark_session import get_spark
+            if s.engine == "spark":  # a Connect client of the stack's warm Spark: no JVM in this process
+                from millpond.runtime.spark_client import connect
 
-                spark = get_spark(s, app_name=f"millpond-{name}")
+                spark = connect(s)
             # Great Expectations runs inside the batch, before its commits: a critical failure fails this
             # task with nothing published.
-            result = run_batch(s, load_spec(s, name), processing_time, watermark=watermark, spark=spark,
+            # The lease's owner is this DAG run: a retry of it (a new process) takes the lease back at once,
+            # while a killed attempt that still runs somewhere is fenced by the lease's token.
+            run = context.get("dag_run")
+            owner = f"airflow/{info.dag_id}/{getattr(run, 'run_id', None) or plan['end']}"
+            result = run_batch(s, load_spec(s, name), processing_time, watermark=watermark, spark=spark, owner=owner,
                                validate=True)
             summary = summarize(result)
             summary["quality"] = quality_summary(result.quality, s)

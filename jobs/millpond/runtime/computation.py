@@ -38,6 +38,7 @@ import pyarrow as pa
 
 from millpond.config import Settings
 from millpond.errors import MillpondError
+from millpond.lake.schemas import STATE_TABLES
 from millpond.lake.tables import Txn, sql_in, sql_ts
 from millpond.model.clock import BatchClock
 from millpond.model.computation import (
@@ -51,7 +52,10 @@ from millpond.model.computation import (
 )
 from millpond.model.panes import TS
 from millpond.model.spec import PipelineSpec
-from millpond.runtime.microbatch import EVENT_COLUMNS, STATE_TABLES, MicroBatch, _Timer, _ts, _us_column
+from millpond.runtime.assembly import ts_array, us_column
+from millpond.runtime.commits import PhaseTimer
+from millpond.runtime.layout import EVENT_COLUMNS
+from millpond.runtime.microbatch import MicroBatch, committed_versions
 
 STATE_SCHEMA = pa.schema([("key", pa.string()), ("state", pa.string()), ("batch", pa.int64()),
                           ("deleted", pa.bool_())])
@@ -70,8 +74,9 @@ class ComputationBatch(MicroBatch):
 
     state_tables = (*STATE_TABLES, *COMPUTATION_TABLES)
 
-    def __init__(self, settings: Settings, spec: PipelineSpec, spark=None, validate: bool = False) -> None:
-        super().__init__(settings, spec, spark, validate=validate)
+    def __init__(self, settings: Settings, spec: PipelineSpec, spark=None, validate: bool = False,
+                 owner: str | None = None) -> None:
+        super().__init__(settings, spec, spark, validate=validate, owner=owner)
         try:
             self.computation = load_computation(spec.raw["computation"])
         except ValueError as exc:
@@ -80,7 +85,7 @@ class ComputationBatch(MicroBatch):
         self.output_tables = ("quarantine", "seen_ids", "ingest_log", *COMPUTATION_TABLES, *sorted(self.streams))
 
     def process(self, batch: int, txn: Txn, clock: BatchClock, accepted: pa.Table, plan: dict[str, Any],
-                t: _Timer) -> dict[str, int]:
+                t: PhaseTimer) -> dict[str, int]:
         """Run the computation over the batch's keys and the keys with due timers; commit state,
         timers, productions and the output watermark, each under the batch's transaction."""
         versions = plan["versions"]
@@ -119,7 +124,7 @@ class ComputationBatch(MicroBatch):
         if v_timers is not None:
             tt = self.tables.select(self.name, "timers", sql_in("key", keys), version=v_timers)
             for k, tag, dom, at in zip(tt.column("key").to_pylist(), tt.column("tag").to_pylist(),
-                                       tt.column("domain").to_pylist(), _us_column(tt, "fire_at"), strict=True):
+                                       tt.column("domain").to_pylist(), us_column(tt, "fire_at"), strict=True):
                 timers[k][tag] = Timer(k, tag, dom, at)
         if v_state is not None:
             st = self.tables.select(self.name, "comp_state", sql_in("key", keys), columns=["key", "state"],
@@ -142,7 +147,8 @@ class ComputationBatch(MicroBatch):
         if rows:
             rows.sort(key=lambda r: (r[0], r[1]))
             table = pa.table({"key": [r[0] for r in rows], "tag": [r[1] for r in rows], "domain": [r[2] for r in rows],
-                              "fire_at": _ts(r[3] for r in rows), "batch": pa.array([batch] * len(rows), pa.int64()),
+                              "fire_at": ts_array(r[3] for r in rows),
+                              "batch": pa.array([batch] * len(rows), pa.int64()),
                               "deleted": pa.array([r[4] for r in rows], pa.bool_())}, schema=TIMERS_SCHEMA)
             self._step("timers", lambda tb=table: self.tables.merge(
                 name, "timers", tb, on=["key", "tag"], delete_when="s.deleted", txn=txn,
@@ -158,8 +164,9 @@ class ComputationBatch(MicroBatch):
         held = min((o.held_by for o in outcomes if o.held_by is not None), default=None)
         out = clock.watermark if held is None else min(clock.watermark, held)
         out = max(out, self._previous_output(batch, v_watermarks))  # monotonic, as MillWheel promises
-        row = pa.Table.from_arrays([pa.array([batch], pa.int64()), _ts([clock.processing_time]),
-                                    _ts([clock.watermark]), _ts([held]), _ts([out])], schema=WATERMARKS_SCHEMA)
+        row = pa.Table.from_arrays([pa.array([batch], pa.int64()), ts_array([clock.processing_time]),
+                                    ts_array([clock.watermark]), ts_array([held]), ts_array([out])],
+                                   schema=WATERMARKS_SCHEMA)
         self._step("watermarks", lambda: self.tables.append(name, "watermarks", row, txn=txn))
 
     def _production_table(self, stream: str, rows: list[dict[str, Any]]) -> pa.Table:
@@ -178,20 +185,18 @@ class ComputationBatch(MicroBatch):
             return -(2**63)
         prev = self.tables.select(self.name, "watermarks", f"batch = {batch - 1}", columns=["output_watermark"],
                                   version=version)
-        vals = _us_column(prev, "output_watermark")
+        vals = us_column(prev, "output_watermark")
         return vals[0] if vals else -(2**63)
 
 
 def output_watermark(tables, pipeline: str) -> int | None:
     """The stage's output low watermark as of its last committed batch (for downstream consumers)."""
-    from millpond.runtime.microbatch import committed_versions
-
     version = committed_versions(tables, pipeline).get("watermarks")
     if version is None:
         return None
     last = tables.select(pipeline, "watermarks", "batch = (SELECT max(batch) FROM t)", columns=["output_watermark"],
                          version=version)
-    return _us_column(last, "output_watermark")[0] if last.num_rows else None
+    return us_column(last, "output_watermark")[0] if last.num_rows else None
 
 
 __all__ = ["ComputationBatch", "output_watermark"]

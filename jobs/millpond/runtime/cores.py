@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -23,11 +22,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: helper processes forked for a chunk's per-key step (``MILLPOND_DRIVER_WORKERS``); default one per
-#: extra core, 0 keeps the step in the job's process
-WORKERS = int(os.environ.get("MILLPOND_DRIVER_WORKERS", str(max(0, (os.cpu_count() or 1) - 1))))
-#: a range worth less than this (in elements, see the weights) is not worth a fork (~20-50 ms on a large heap)
-MIN_RANGE = int(os.environ.get("MILLPOND_DRIVER_MIN_RANGE", "20000"))
 
 _work: Callable[[int, int], object] | None = None
 
@@ -64,15 +58,15 @@ def _child(send, lo: int, hi: int) -> None:
         send.close()
 
 
-def map_ranges(work: Callable[[int, int], T], weights: Sequence[int], workers: int | None = None,
-               min_range: int | None = None, before_fork: Callable[[], object] | None = None) -> list[T]:
+def map_ranges(work: Callable[[int, int], T], weights: Sequence[int], workers: int, min_range: int,
+               before_fork: Callable[[], object] | None = None) -> list[T]:
     """``work(lo, hi)`` over contiguous ranges of items (``weights``: the cost of each), results in range
     order: the first range in this process, each other one in a forked child of its own, at the same time.
     A child's exception is raised here; a child that dies (killed, out of memory) has its range run here.
-    ``before_fork`` runs only if children are forked (e.g. to wait for the caller's other threads)."""
+    ``before_fork`` runs only if children are forked (e.g. to wait for the caller's other threads).
+    ``workers``: forked children at most (``engine.driver_workers``); ``min_range``: the least work, in
+    weight, worth a fork (``engine.driver_min_range``)."""
     global _work
-    workers = WORKERS if workers is None else workers
-    min_range = MIN_RANGE if min_range is None else min_range
     total = sum(weights)
     parts = 1 + min(workers, max(0, total // max(1, min_range) - 1))
     if parts <= 1 or not can_fork():

@@ -24,7 +24,7 @@ from millpond.lake.objectstore import ObjectStore
 from millpond.lake.tables import Tables
 from millpond.model.spec import PipelineSpec, pipeline_from_dict
 from millpond.model.timeutil import MAX_TS, iso, to_datetime, to_us
-from millpond.runtime.microbatch import run_batch
+from millpond.runtime.job import run_batch
 from millpond.surface.cli import command
 
 
@@ -125,11 +125,10 @@ def _replay_cmd(args: argparse.Namespace) -> int:
         raise MillpondError(str(exc)) from exc
     spark = None
     if args.spark:
-        from millpond.runtime import microbatch
         from millpond.runtime.spark_session import get_spark
 
+        settings = settings.with_overrides(engine="spark", engine_local_below=0)
         spark = get_spark(settings, "millpond-replay")
-        microbatch.LOCAL_THRESHOLD = 0
     panes = replay(settings, spec, events, start=to_us(args.start) if args.start else None,
                    end=to_us(args.end) if args.end else None, flush=not args.no_flush, spark=spark,
                    log=lambda s: print(s, file=sys.stderr))

@@ -15,7 +15,7 @@ from millpond.config.pipelines import load_pipelines
 from millpond.examples.demo import land_demo_events
 from millpond.model.spec import PipelineSpec
 from millpond.model.timeutil import to_datetime, to_us
-from millpond.runtime.microbatch import run_batch
+from millpond.runtime.job import run_batch
 from millpond.surface.cli import command
 
 
@@ -41,8 +41,8 @@ def run_direct(settings: Settings, specs: list[PipelineSpec], batches: int, spar
 
 
 def last_committed(settings: Settings, spec: PipelineSpec) -> datetime | None:
+    from millpond.lake.schemas import BATCHES_SCHEMA
     from millpond.lake.tables import Tables
-    from millpond.runtime.microbatch import BATCHES_SCHEMA
 
     done = Tables(settings).read_arrow(spec.name, "batches", schema=BATCHES_SCHEMA, columns=["processing_time"])
     times = done.column("processing_time").to_pylist()

@@ -1,0 +1,36 @@
+"""What a step may use of the batch it belongs to: the batch's context, as a protocol the steps depend on
+(``MicroBatch`` provides it), so that the steps never import the batch that sequences them."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+import pyarrow as pa
+
+from millpond.config import Settings
+from millpond.lake.objectstore import ObjectStore, StoredObject
+from millpond.lake.tables import Tables
+from millpond.model.spec import PipelineSpec
+from millpond.model.step import Strategy
+from millpond.runtime.commits import Commits
+
+
+class BatchContext(Protocol):
+    settings: Settings
+    spec: PipelineSpec
+    strategy: Strategy
+    name: str
+    spark: object
+    tables: Tables
+    store: ObjectStore
+    commits: Commits
+    background: ThreadPoolExecutor
+    output_tables: tuple[str, ...]
+    state_tables: tuple[str, ...]
+
+    def committed(self) -> pa.Table: ...
+
+    def ingest_log(self) -> pa.Table: ...
+
+    def landing(self) -> list[StoredObject]: ...

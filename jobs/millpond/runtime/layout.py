@@ -1,0 +1,165 @@
+"""A batch's elements and state rows grouped by key, without a Python object per element.
+
+The per-key step runs key range by key range (``KeyLayout.rows``): only one chunk exists as objects at a
+time, and each forked worker makes its own range's. Keys with no stored windows get their windows formed
+on columns (``form_windows``); the per-element path stays the reference (``tests/test_fast_paths.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from millpond.model.clock import BatchClock
+from millpond.model.step import Element, Strategy, WindowGroup
+from millpond.model.timeutil import MAX_TS
+from millpond.model.windows import Window
+from millpond.runtime.assembly import us_column
+
+#: the per-key step turns this many elements (+ state rows) at a time into Python objects, and assembles
+#: their output into Arrow before the next: a batch's memory grows with its Arrow columns, not beyond
+CHUNK_ELEMENTS = 200_000
+#: the per-key step's cost of a key and of a stored window, in elements (measured: ~30 us a key, ~1.5 us an
+#: element): the weights that split a chunk's keys evenly over the cores (Zipf keys sort hot ones together)
+KEY_COST, STATE_ROW_COST = 20, 3
+#: the columns of a batch's elements, in ``Element`` field order
+EVENT_COLUMNS = ("id", "key", "value", "event_time", "arrival_time")
+
+
+def chunks_of(offsets: np.ndarray, size: int) -> Iterator[tuple[int, int]]:
+    """(lo, hi) ranges of consecutive groups (group g holds items offsets[g]..offsets[g+1]) of about
+    ``size`` items each; a group is never split, so one larger than ``size`` makes a chunk alone."""
+    n = len(offsets) - 1
+    lo = 0
+    while lo < n:
+        hi = int(np.searchsorted(offsets, offsets[lo] + size, side="right")) - 1
+        hi = min(n, max(hi, lo + 1))
+        yield lo, hi
+        lo = hi
+
+
+@dataclass
+class KeyLayout:
+    """The batch's elements and state rows grouped by key, keys in ascending order (UTF-8 byte order,
+    the order of Python's ``sorted``), without making Python objects: ``rows(lo, hi)`` makes them for a
+    range of keys, so only one chunk exists as objects at a time, and each worker makes its own range's."""
+
+    events: pa.Table
+    state: pa.Table
+    keys: pa.Array
+    ev_order: np.ndarray
+    ev_off: np.ndarray
+    st_order: np.ndarray
+    st_off: np.ndarray
+
+    @classmethod
+    def of(cls, events: pa.Table, state: pa.Table) -> KeyLayout:
+        parts = [c for t in (events, state) for c in t.column("key").cast(pa.string()).chunks]
+        keys = pc.unique(pa.chunked_array(parts, pa.string()))
+        keys = keys.take(pc.sort_indices(keys))
+        nk = len(keys)
+
+        def layout(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+            """Row order grouping the table by key rank (stable), and where each key's rows start."""
+            offsets = np.zeros(nk + 1, np.int64)
+            if not table.num_rows or not nk:
+                return np.zeros(0, np.int64), offsets
+            rank = pc.index_in(table.column("key").cast(pa.string()), value_set=keys).to_numpy()
+            np.cumsum(np.bincount(rank, minlength=nk), out=offsets[1:])
+            return np.argsort(rank, kind="stable"), offsets
+
+        return cls(events, state, keys, *layout(events), *layout(state))
+
+    def chunks(self) -> Iterator[tuple[int, int]]:
+        """Key ranges of about CHUNK_ELEMENTS elements + state rows (a key is never split)."""
+        return chunks_of(self.ev_off + self.st_off, CHUNK_ELEMENTS) if len(self.keys) else iter(())
+
+    def weights(self, lo: int, hi: int) -> np.ndarray:
+        """The per-key step's expected cost of each key in the range, in elements."""
+        return (KEY_COST + np.diff(self.ev_off[lo:hi + 1]) + STATE_ROW_COST * np.diff(self.st_off[lo:hi + 1]))
+
+    def rows(self, lo: int, hi: int, strategy: Strategy, clock: BatchClock, columnar: bool = True
+             ) -> list[KeyInput]:
+        """Keys ``lo..hi``, each with its elements (or its windows formed on columns, see ``form_windows``) and
+        its state rows (start, end, JSON), in table order."""
+        ev_off, st_off = self.ev_off, self.st_off
+        ev = self.events.take(self.ev_order[ev_off[lo]:ev_off[hi]])
+        counts = np.diff(ev_off[lo:hi + 1])
+        got = form_windows(ev, counts, np.diff(st_off[lo:hi + 1]) == 0, strategy, clock) if columnar else None
+        if got is None:
+            by_key: list[list[WindowGroup] | None] = [None] * (hi - lo)
+        else:  # the formed keys' elements are in their groups: only the others become objects
+            by_key, formed = got
+            ev = ev.filter(np.repeat(~formed, counts))
+            counts = np.where(formed, 0, counts)
+        elements = list(map(Element._make, zip(*(ev.column(c).to_pylist() for c in EVENT_COLUMNS), strict=True)))
+        st = self.state.take(self.st_order[st_off[lo]:st_off[hi]])
+        st_rows = list(zip(us_column(st, "window_start"), us_column(st, "window_end"),
+                           st.column("state").to_pylist(), strict=True))
+        del ev, st
+        e_off = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        s_off = (st_off[lo:hi + 1] - st_off[lo]).tolist()
+        return [KeyInput(key, elements[e0:e1], by_key[i], st_rows[s0:s1]) for i, (key, (e0, e1), (s0, s1))
+                in enumerate(zip(self.keys.slice(lo, hi - lo).to_pylist(), pairwise(e_off), pairwise(s_off),
+                                 strict=True))]
+
+
+class KeyInput(NamedTuple):
+    """One key's input to the per-key step: elements, or windows already formed on columns."""
+
+    key: str
+    elements: list[Element]
+    groups: list[WindowGroup] | None
+    state_rows: list[tuple[int, int, str]]
+
+
+def form_windows(ev: pa.Table, counts: np.ndarray, stateless: np.ndarray, strategy: Strategy, clock: BatchClock
+            ) -> tuple[list[list[WindowGroup] | None], np.ndarray] | None:
+    """Windows formed on columns for the keys with elements, no stored windows and no late element: steps
+    1-3 of ``engine.process_key`` (assign, merge, group in arrival order) without an object per element.
+    Returns (each key's groups or None, which keys were formed), or None where the window function cannot
+    assign on columns. The per-element path stays the reference (``tests/test_fast_paths.py``)."""
+    wfn, lateness, w_in = strategy.window_fn, strategy.allowed_lateness, clock.input_watermark
+    key = np.repeat(np.arange(len(counts)), counts)
+    ts = pc.cast(ev.column("event_time"), pa.int64()).to_numpy()
+    assigned = wfn.assign_columns(ts)
+    if assigned is None:
+        return None
+    start, end = assigned
+    # an element is late if its window's garbage-collection time is at or behind the input watermark
+    forever = MAX_TS - lateness
+    late = np.where(end < forever, end <= w_in - lateness, MAX_TS <= w_in)
+    formed = stateless & (counts > 0) & (np.bincount(key[late], minlength=len(counts)) == 0)
+    if not formed.any():
+        return None
+    take = formed[key]
+    key, start, end = key[take], start[take], end[take]
+    if wfn.merging:
+        start, end = wfn.merge_columns(key, start, end)
+    ev = ev.filter(take)
+    # the element path's order: by window (a key's windows by start), then (arrival, event time, id)
+    arrival = ev.column("arrival_time")
+    order = pc.sort_indices(pa.table({"k": key, "s": start, "a": arrival, "t": ev.column("event_time"),
+                                      "id": ev.column("id")}),
+                            [(c, "ascending") for c in ("k", "s", "a", "t", "id")]).to_numpy()
+    k, s, e = key[order], start[order], end[order]
+    opens = np.empty(len(k), bool)
+    opens[:1] = True
+    np.logical_or(k[1:] != k[:-1], s[1:] != s[:-1], out=opens[1:])
+    firsts = np.flatnonzero(opens)
+    values = ev.column("value").take(order).to_pylist()
+    first_arrival = pc.cast(arrival, pa.int64()).to_numpy()[order[firsts]].tolist()
+    bounds = np.append(firsts, len(k)).tolist()
+    windows = list(map(Window, s[firsts].tolist(), e[firsts].tolist()))
+    groups = [WindowGroup(w, values[a:b], t) for w, (a, b), t in zip(windows, pairwise(bounds), first_arrival,
+                                                                       strict=True)]
+    # each formed key's windows: a slice of ``groups`` (keys ascending, each key's windows by start)
+    per_key = np.searchsorted(k[firsts], np.arange(len(counts) + 1)).tolist()
+    by_key = [groups[per_key[i]:per_key[i + 1]] if f else None for i, f in enumerate(formed.tolist())]
+    return by_key, formed
+

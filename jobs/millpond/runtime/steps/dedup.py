@@ -1,0 +1,113 @@
+"""Dedup: a record id counts once, across batches and retries. Within the batch the first by (arrival,
+file, line) of each id wins; ids accepted by earlier batches (``seen_ids``, read only over the batch's
+event-time range) are duplicates. Ids expire behind the watermark plus the dedup horizon."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from millpond.lake.schemas import SEEN_SCHEMA
+from millpond.lake.sql import sql_in, sql_ts
+from millpond.model.panes import TS
+from millpond.model.timeutil import parse_duration
+
+if TYPE_CHECKING:
+    from millpond.runtime.context import BatchContext
+
+#: up to this many ids/keys a SQL IN list (file pruning); above, a scan probed in Arrow
+SMALL_IN_LIST = 200
+#: ids probed against earlier batches' ``seen_ids`` per call (bounds the Python lists handed over)
+SEEN_PROBE_CHUNK = 1_000_000
+#: ``seen_ids`` is read by every batch's dedup (an event-time range that spans its files): once it has
+#: more than this many files, the batch's own commit to it replaces them by one file of the ids within
+#: the dedup horizon plus its own, from the rows its dedup read anyway (see ``_dedup``)
+SEEN_FOLD_OVER_FILES = 4
+
+
+def seen_keep_from(job: BatchContext, w_in: int, seen_version: int | None) -> int | None:
+    """Whether this batch replaces seen_ids' files (it has more than SEEN_FOLD_OVER_FILES at the
+    pinned version), and if so from which event time on earlier ids are kept: those within the dedup
+    horizon of the input watermark (a re-delivery older than that is beyond allowed lateness anyway)."""
+    horizon = dedup_horizon(job)
+    if seen_version is None or horizon is None or w_in - horizon <= 0:
+        return None
+    files = job.tables.file_count(job.name, "seen_ids", version=seen_version)
+    return w_in - horizon if files > SEEN_FOLD_OVER_FILES else None
+
+def dedup(job: BatchContext, good: pa.Table, seen_version: int | None, w_in: int
+          ) -> tuple[pa.Table, pa.Table | None]:
+    """Within the batch the first by (arrival, file, line) of each id wins; ids accepted by earlier
+    batches are duplicates. The accepted elements, in (arrival, file, line) order; and, when the
+    batch is to replace seen_ids' files (``seen_keep_from``), the earlier ids it keeps (else None),
+    taken by the same read."""
+    n = good.num_rows
+    if not n:
+        return good, None
+    order = pc.sort_indices(good.column("arrival_time")).to_numpy()  # stable (see _read)
+    rank = np.empty(n, np.int64)
+    rank[order] = np.arange(n, dtype=np.int64)
+    firsts = pa.table({"id": good.column("id"), "rank": rank}).group_by("id").aggregate([("rank", "min")])
+    del rank
+    keep = order if firsts.num_rows == n else order[np.sort(firsts.column("rank_min").to_numpy())]
+    del firsts, order
+    accepted = good.take(keep)
+    del keep
+    if seen_version is None:  # no earlier batch has accepted anything
+        return accepted, None
+    seen: set[str] = set()
+    kept = None
+    ids, event_times = accepted.column("id"), accepted.column("event_time")
+    keep_from = seen_keep_from(job, w_in, seen_version)
+    if keep_from is not None:
+        seen, kept = seen_and_kept(job, seen_version, ids, event_times, keep_from)
+    else:
+        for lo in range(0, accepted.num_rows, SEEN_PROBE_CHUNK):
+            seen |= seen_before(job, seen_version, ids.slice(lo, SEEN_PROBE_CHUNK).to_pylist(),
+                               event_times.slice(lo, SEEN_PROBE_CHUNK).to_pylist())
+    if not seen:
+        return accepted, kept
+    return accepted.filter(pc.invert(pc.is_in(ids, value_set=pa.array(sorted(seen), pa.string())))), kept
+
+def seen_and_kept(job: BatchContext, version: int, ids: pa.ChunkedArray, event_times: pa.ChunkedArray,
+                   keep_from: int) -> tuple[set[str], pa.Table]:
+    """``seen_before`` from one read that also holds the earlier ids from ``keep_from`` on: every row from
+    the earlier of the batch's first event time and ``keep_from`` on."""
+    first, last = pc.min(event_times).as_py(), pc.max(event_times).as_py()
+    ts = pc.field("event_time")
+    t = job.tables.read_arrow(job.name, "seen_ids", version=version, schema=SEEN_SCHEMA,
+                               filters=ts >= pa.scalar(min(first, keep_from), pa.int64()).cast(TS))
+    kept = t.filter(ts >= pa.scalar(keep_from, pa.int64()).cast(TS))
+    t = t.filter((ts >= pa.scalar(first, pa.int64()).cast(TS)) & (ts <= pa.scalar(last, pa.int64()).cast(TS)))
+    hits = t.column("id").filter(pc.is_in(t.column("id"), value_set=pc.cast(ids, pa.string()).combine_chunks()))
+    return set(hits.to_pylist()), kept
+
+def seen_before(job: BatchContext, version: int | None, ids: list[str], event_times: list[int]) -> set[str]:
+    """Ids already accepted by earlier batches. A record id names one event, whose event time does
+    not change: only files whose event-time range overlaps the batch's are read (file statistics)."""
+    if version is None or not ids:
+        return set()
+    if len(ids) <= SMALL_IN_LIST:
+        where = (f"event_time >= {sql_ts(min(event_times))} AND event_time <= {sql_ts(max(event_times))} AND "
+                 + sql_in("id", ids))
+        t = job.tables.select(job.name, "seen_ids", where, columns=["id"], version=version)
+    else:
+        # A long IN list costs more than reading the range's ids (file statistics prune by event time)
+        # and probing them in Arrow.
+        lo, hi = (pa.scalar(v, pa.int64()).cast(TS) for v in (min(event_times), max(event_times)))
+        t = job.tables.read_arrow(job.name, "seen_ids", columns=["id"], version=version,
+                                   filters=(pc.field("event_time") >= lo) & (pc.field("event_time") <= hi))
+    hits = t.column("id").filter(pc.is_in(t.column("id"), value_set=pa.array(ids, pa.string())))
+    return set(hits.to_pylist())
+
+def dedup_horizon(job: BatchContext) -> int | None:
+    """How far behind the watermark a record id must be remembered: past it, a re-delivery is late
+    anyway (its window is beyond allowed lateness) and is dropped and counted as late."""
+    cfg = job.spec.raw.get("dedup") or {}
+    if "horizon" in cfg:
+        return parse_duration(cfg["horizon"])
+    span = job.strategy.window_fn.span()
+    return None if span is None else job.spec.allowed_lateness + span

@@ -1,0 +1,61 @@
+"""Validate: Great Expectations on what the batch read, will emit and will keep; a critical failure stops the
+batch here, before anything is published."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from millpond.errors import MillpondError
+from millpond.lake.sql import sql_in, sql_ts
+from millpond.model.clock import BatchClock
+from millpond.model.timeutil import to_datetime
+from millpond.runtime.assembly import us_column
+
+if TYPE_CHECKING:
+    from millpond.runtime.context import BatchContext
+
+
+def validate(job: BatchContext, batch: int, clock: BatchClock, accepted: pa.Table, panes: pa.Table,
+             state: pa.Table) -> None:
+    """Great Expectations on what this batch read, will emit and will keep; critical stops it here,
+    before anything is published."""
+    import pandas as pd
+
+    from millpond.quality.validation import validate_batch
+
+    def col(table: pa.Table, name: str) -> list[Any]:
+        return table.column(name).to_pylist()
+
+    def times(table: pa.Table, name: str) -> pd.DatetimeIndex:
+        return pd.to_datetime(us_column(table, name), unit="us", utc=True)
+
+    raw = pd.DataFrame({"id": col(accepted, "id"), "key": col(accepted, "key"), "value": col(accepted, "value"),
+                        "event_time": times(accepted, "event_time")})
+    pane_df = panes.to_pandas()
+    live = state.filter(pc.invert(state.column("deleted")))
+    state_df = pd.DataFrame({
+        "key": col(live, "key"), "state": col(live, "state"),
+        "window_start": times(live, "window_start"), "window_end": times(live, "window_end"),
+        "event_timer": times(live, "event_timer"), "ptime_timer": times(live, "ptime_timer"),
+        "batch": [batch] * live.num_rows})
+    retractions = panes.filter(pc.equal(panes.column("kind"), "retraction"))
+    prior = None
+    if retractions.num_rows:
+        # Only the retracted windows' earlier panes matter: bounding window_start lets file statistics
+        # skip old pane files, so this read does not grow with the pane log.
+        where = (f"window_start >= {sql_ts(min(us_column(retractions, 'window_start')))} AND "
+                 + sql_in("key", sorted(set(col(retractions, "key")))))
+        prior = job.tables.select(job.name, "panes", where, schema=pa.schema([("key", pa.string())])).to_pandas()
+    report = validate_batch(job.settings, job.name, batch, raw=raw, panes=pane_df, state=state_df,
+                            prior_panes=prior, processing_time=to_datetime(clock.processing_time),
+                            window_type=job.spec.window.get("type"))
+    job.quality = report
+    if not report.ok:
+        where = f"; see {report.result_urls[0]}" if report.result_urls else ""
+        raise MillpondError(
+            f"{job.name} batch {batch} failed critical data-quality checks, nothing was published: "
+            + "; ".join(report.critical_failures[:3]) + where
+        )
