@@ -107,7 +107,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("engine", "engine.name", "MILLPOND_ENGINE", _str, "local",
            "what runs a batch's per-key step: local (in-process, forked over the cores) or spark"),
     Option("engine_local_below", "engine.local_below", "MILLPOND_ENGINE_LOCAL_BELOW", _int, 0,
-           "with engine spark: batches of fewer new events run in-process (0: never)"),
+           "with engine spark: batches whose landing files hold fewer bytes run in-process (0: none do)"),
     Option("columnar_windows", "engine.columnar_windows", "MILLPOND_COLUMNAR_WINDOWS", _bool, True,
            "form windows of keys without stored state on columns (false: the per-element reference path)"),
     Option("driver_workers", "engine.driver_workers", "MILLPOND_DRIVER_WORKERS", _optional_int, None,

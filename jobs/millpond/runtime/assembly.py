@@ -40,7 +40,7 @@ def key_rows(
     spec_json: str, clock: BatchClock, key: str, elements: list[Element], state_rows: list[tuple[int, int, str]],
     groups: list[WindowGroup] | None = None,
 ) -> list[tuple[str, str, list]]:
-    """Run one key; return (row type, key, payload fields) rows (``process_group`` sends them as JSON)."""
+    """Run one key; return its (row type, key, payload fields) rows for an ``Assembly``."""
     strategy = strategy_of(spec_json)
     stored = [WindowState.from_json(Window(s, e), st) for s, e, st in state_rows]
     res = process_key(key, stored, elements, clock, strategy, groups)
@@ -58,15 +58,6 @@ def key_rows(
     for el, reason in res.late:
         out.append(("late", key, [el.id, el.value, el.event_time, el.arrival_time, reason]))
     return out
-
-
-def process_group(
-    spec_json: str, clock: BatchClock, key: str, elements: list[Element], state_rows: list[tuple[int, int, str]],
-    groups: list[WindowGroup] | None = None,
-) -> list[tuple[str, str, str]]:
-    """Run one key; return (row type, key, JSON payload) rows for the driver to commit."""
-    return [(rtype, k, json.dumps(payload)) for rtype, k, payload in key_rows(spec_json, clock, key, elements,
-                                                                             state_rows, groups)]
 
 
 def _current_rows(panes: list[tuple], gone: list[tuple[str, int, int]], discarding: bool) -> list[tuple]:

@@ -27,6 +27,7 @@ from millpond.model.clock import BatchClock
 from millpond.model.spec import PipelineSpec
 from millpond.model.timeutil import MIN_TS, to_datetime, to_us
 from millpond.runtime.commits import Commits, PhaseTimer
+from millpond.runtime.engines import runs_on_spark
 from millpond.runtime.steps import commit, compute, dedup, plan, read, validate, watermark
 
 
@@ -125,6 +126,12 @@ class MicroBatch:
         the_plan = plan.plan_batch(self, batch, txn, found, prev, P)
         plan.start_upkeep(self, batch)
         t.lap("plan")
+        if self._on_spark(found["landing"], the_plan):
+            from millpond.runtime.engines import spark_batch  # pyspark is imported by Spark batches only
+
+            counts, clock, max_et = spark_batch.run_on_spark(self, txn, the_plan, prev, w_in, P, explicit_watermark, t)
+            self._finish(txn, clock, max_et, counts, t)
+            return BatchResult(self.name, batch, to_datetime(P), to_datetime(clock.watermark), counts, t.phases)
         good, bad = read.read_files(self, the_plan, P)
         t.lap("ingest")
         seen_version = the_plan["versions"].get("seen_ids")
@@ -142,6 +149,12 @@ class MicroBatch:
                   "late": 0, "panes": 0, "retractions": 0, "state_rows_read": 0, **outputs}
         self._finish(txn, clock, max_et, counts, t)
         return BatchResult(self.name, batch, to_datetime(P), to_datetime(clock.watermark), counts, t.phases)
+
+    def _on_spark(self, listing: list[StoredObject], the_plan: dict[str, Any]) -> bool:
+        """Whether this batch runs as a Spark job (``engines.runs_on_spark``), judged by its files' bytes."""
+        sizes = {o.key: o.size for o in listing}
+        planned = sum(sizes.get(key, 0) for key in the_plan["files"])
+        return runs_on_spark(self.settings, self.spark, planned, windowed=type(self).process is MicroBatch.process)
 
     def _finish(self, txn: Txn, clock: BatchClock, max_et: int | None, counts: dict[str, Any], t: PhaseTimer) -> None:
         """The deferred commits (after the plan's commit and the upkeep step have landed), then the marker."""

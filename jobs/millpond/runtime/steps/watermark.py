@@ -22,17 +22,23 @@ def advance_watermark(job: BatchContext, batch: int, processing_time: int, w_in:
                       ) -> tuple[BatchClock, int | None]:
     """The batch's clock (its input watermark and the advanced one) and the largest event time seen so far."""
     event_times = accepted.column("event_time")
+    batch_max = pc.max(event_times).as_py() if accepted.num_rows else None
+    # arrival - event time per element: only the percentile policy reads them
+    delays = (pc.subtract(accepted.column("arrival_time"), event_times).to_pylist()
+              if job.spec.watermark_policy.kind == "percentile" and explicit is None else None)
+    return clock_for(job, batch, processing_time, w_in, prev, batch_max, plan, explicit, delays)
+
+
+def clock_for(job: BatchContext, batch: int, processing_time: int, w_in: int, prev: dict[str, Any] | None,
+              batch_max: int | None, plan: dict[str, Any], explicit: datetime | int | str | None,
+              delays: list[int] | None) -> tuple[BatchClock, int | None]:
+    """The clock from the batch's largest event time (and delays, for the percentile policy): both engines."""
     max_et_prev = to_us(prev["max_event_time"]) if prev and prev["max_event_time"] is not None else None
-    max_et = max(([pc.max(event_times).as_py()] if accepted.num_rows else [])
-                 + ([max_et_prev] if max_et_prev is not None else []), default=None)
+    max_et = max([v for v in (batch_max, max_et_prev) if v is not None], default=None)
     if explicit is not None:
         candidate = to_us(explicit)
     else:
-        policy = job.spec.watermark_policy
-        # arrival - event time per element: only the percentile policy reads them
-        delays = (pc.subtract(accepted.column("arrival_time"), event_times).to_pylist()
-                  if policy.kind == "percentile" else None)
-        candidate = policy.candidate(
+        candidate = job.spec.watermark_policy.candidate(
             batch_index=batch - 1, processing_time=processing_time, max_event_time=max_et,
             oldest_pending=plan["versions"].get("oldest_pending"), delays=delays)
     clock = BatchClock(batch=batch, processing_time=processing_time, input_watermark=w_in,

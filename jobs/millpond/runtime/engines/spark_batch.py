@@ -1,0 +1,234 @@
+"""The Spark engine for a whole batch: a PySpark job on the warm Spark, from landing files to Delta commits.
+
+Executors read and parse the planned landing files, deduplicate them against each other and against the
+ids earlier batches accepted, run the per-key step (windows, triggers, accumulation: the model's own code)
+over each key's new elements together with its stored windows, and write every output table's data files.
+The batch's process (a Spark Connect client, holding the pipeline's lease) only plans, reads small
+aggregates (counts, event-time bounds, the partitions touched) and commits each table's files in one Delta
+commit under the batch's application transaction. Tables kept by MERGE on the local engine (``windows``,
+``current``) are rewritten copy-on-write: the files a batch changes are replaced, in the same commit.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from millpond.lake import spark_io, sparksource
+from millpond.lake.file_commits import commit_files, live_files
+from millpond.lake.schemas import CURRENT_PARTITIONS, QUARANTINE_SCHEMA, SEEN_SCHEMA, current_schema, late_schema
+from millpond.lake.tables import Txn
+from millpond.model.clock import BatchClock
+from millpond.model.panes import pane_schema
+from millpond.model.state import WINDOWS_SCHEMA
+from millpond.runtime.engines.spark_keys import per_key_step
+
+if TYPE_CHECKING:
+    from millpond.runtime.context import BatchContext
+
+
+def _ts(column: str):
+    from pyspark.sql import functions as F
+
+    return F.timestamp_micros(F.col(column)).alias(column)
+
+
+def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time: int, w_in: int):
+    """(the quarantined rows, the accepted elements, counts): parsed on executors, first of each id by
+    (arrival, file, line), ids seen by earlier batches dropped. Only counts come back."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    spark = job.spark
+    rows = spark_io.read_landing(spark, job.settings, list(zip(the_plan["files"], the_plan["arrivals"], strict=True)),
+                                 job.spec.value_type, processing_time).cache()
+    bad = rows.where(F.col("reason").isNotNull())
+    good = rows.where(F.col("reason").isNull())
+    first = Window.partitionBy("id").orderBy("arrival_time", "source_file", "pos")
+    firsts = good.withColumn("_n", F.row_number().over(first)).where("_n = 1").drop("_n")
+    seen_version = the_plan["versions"].get("seen_ids")
+    accepted = firsts
+    if seen_version is not None:
+        bounds = firsts.agg(F.min("event_time").alias("lo"), F.max("event_time").alias("hi")).collect()[0]
+        if bounds["lo"] is not None:
+            seen = (sparksource.read(spark, f"{job.name}.seen_ids", job.settings, version=seen_version)
+                    .select("id", F.unix_micros("event_time").alias("et"))
+                    .where(F.col("et").between(bounds["lo"], bounds["hi"])).select("id"))
+            accepted = firsts.join(seen, "id", "left_anti")
+    accepted = accepted.select("id", "key", "value", "event_time", "arrival_time").cache()
+    totals = rows.agg(F.count(F.lit(1)).alias("rows"), F.count("reason").alias("bad")).collect()[0]
+    kept = accepted.agg(F.count(F.lit(1)).alias("n"), F.max("event_time").alias("max_et")).collect()[0]
+    good_n = totals["rows"] - totals["bad"]
+    counts = {"input": totals["rows"], "accepted": kept["n"], "duplicates": good_n - kept["n"],
+              "quarantined": totals["bad"]}
+    return bad, accepted, counts, kept["max_et"]
+
+
+def delays(accepted) -> list[int]:
+    """arrival - event time per element, for the percentile watermark policy (the one policy that needs
+    more than an aggregate)."""
+    return [r[0] for r in accepted.selectExpr("arrival_time - event_time").orderBy(1).collect()]
+
+
+def stored_windows(job: BatchContext, version: int | None, accepted, clock: BatchClock):
+    """The stored windows this batch can change (due timers, or reachable by a new element of its key),
+    with times as microseconds, read on executors."""
+    from pyspark.sql import functions as F
+
+    if version is None:
+        return None
+    windows = sparksource.read(job.spark, f"{job.name}.windows", job.settings, version=version).select(
+        "key", F.unix_micros("window_start").alias("window_start"), F.unix_micros("window_end").alias("window_end"),
+        "state", F.unix_micros("event_timer").alias("event_timer"), F.unix_micros("ptime_timer").alias("ptime_timer"))
+    due = (F.coalesce(F.col("event_timer") <= F.lit(clock.watermark), F.lit(False))
+           | F.coalesce(F.col("ptime_timer") <= F.lit(clock.processing_time), F.lit(False)))
+    ranges = accepted.groupBy("key").agg(F.min("event_time").alias("lo"), F.max("event_time").alias("hi"))
+    reach = job.strategy.window_fn.reach()
+    joined = windows.join(ranges, "key", "left")
+    if reach is None:
+        near = F.col("lo").isNotNull()
+    else:
+        near = (F.col("window_end") >= F.col("lo")) & (F.col("window_start") <= F.col("hi") + F.lit(reach))
+    return joined.where(due | F.coalesce(near, F.lit(False))).select(
+        "key", "window_start", "window_end", "state", "event_timer", "ptime_timer")
+
+
+def compute(job: BatchContext, clock: BatchClock, accepted, state):
+    """The per-key step on executors (``spark_keys.per_key_step``); the output rows of every table, tagged."""
+    spec_json = json.dumps(job.spec.raw, sort_keys=True, default=str)
+    return per_key_step(job.spark, spec_json, clock, accepted, state, job.spec.value_type, job.spec.pane_value_type,
+                        job.spec.mode.value == "discarding", job.settings.columnar_windows).cache()
+
+
+def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted, out, versions: dict[str, Any]
+                  ) -> dict[str, int]:
+    """Every output table's files from the executors, each table one commit; counts for the marker."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    batch = clock.batch
+    tally = {r["tbl"] + ":" + (r["kind"] or ""): r["n"]
+             for r in out.groupBy("tbl", "kind").agg(F.count(F.lit(1)).alias("n")).collect()}
+    pane_type, value_type = job.spec.pane_value_type, job.spec.value_type
+    panes = out.where("tbl = 'panes'").select(
+        "key", _ts("window_start"), _ts("window_end"), F.col("pane_value").alias("value"), "pane_index", "timing",
+        "is_last", "kind", F.lit(batch).alias("batch"), F.timestamp_micros(F.lit(clock.processing_time)).alias(
+            "processing_time"), F.timestamp_micros(F.lit(clock.watermark)).alias("watermark"),
+        F.row_number().over(Window.orderBy("key", "seq")).cast("long").alias("seq"))
+    late = out.where("tbl = 'late'").select(
+        "id", "key", F.col("late_value").alias("value"), _ts("event_time"), _ts("arrival_time"), "reason",
+        F.lit(batch).alias("batch"))
+    quarantine = bad.select("source_file", "line", "raw", "reason", F.lit(batch).alias("batch"))
+    seen = accepted.select("id", _ts("event_time"), F.lit(batch).alias("batch"))
+    appends = [("late", late, late_schema(value_type)), ("panes", panes, pane_schema(pane_type)),
+               ("quarantine", quarantine, QUARANTINE_SCHEMA), ("seen_ids", seen, SEEN_SCHEMA)]
+    for table, df, schema in appends:
+        if tally.get(f"{table}:", 0) or table in ("quarantine", "seen_ids") or tally.get(f"{table}:value") \
+                or tally.get(f"{table}:retraction"):
+            _append(job, txn, table, df, schema)
+    _rewrite_windows(job, txn, clock, out, versions.get("windows"))
+    _rewrite_current(job, txn, clock, out)
+    return {"late": tally.get("late:", 0), "panes": tally.get("panes:value", 0),
+            "retractions": tally.get("panes:retraction", 0)}
+
+
+def _append(job: BatchContext, txn: Txn, table: str, df, schema: pa.Schema) -> None:
+    # the Spark job runs now, on this thread; the Delta commit waits with the batch's others
+    manifest = spark_io.write_files(df, job.settings, job.settings.table_uri(job.name, table))
+    job.commits.step(table, lambda: commit_files(job.tables, job.name, table, manifest, schema, txn))
+
+
+def _rewrite_windows(job: BatchContext, txn: Txn, clock: BatchClock, out, version: int | None) -> None:
+    """``windows`` copy-on-write: the stored rows not changed by this batch, plus its upserts, replace the
+    table's files (the local engine's MERGE, on executors)."""
+    from pyspark.sql import functions as F
+
+    changes = out.where("tbl = 'state'").select(
+        "key", "window_start", "window_end", "state", "event_timer", "ptime_timer", "deleted")
+    keys = ["key", "window_start", "window_end"]
+    new = changes.where("NOT deleted").select(
+        "key", _ts("window_start"), _ts("window_end"), "state", _ts("event_timer"), _ts("ptime_timer"),
+        F.lit(clock.batch).alias("batch"), F.lit(False).alias("deleted"))
+    removes: list[dict] = []
+    if version is not None:
+        removes = live_files(job.tables, job.name, "windows", version)
+        old = sparksource.read(job.spark, f"{job.name}.windows", job.settings, version=version)
+        old_keys = old.select("*", F.unix_micros("window_start").alias("_s"), F.unix_micros("window_end").alias("_e"))
+        changed = changes.select(F.col("key").alias("_k"), F.col("window_start").alias("_cs"),
+                                 F.col("window_end").alias("_ce"))
+        same = (F.col("key") == F.col("_k")) & (F.col("_s") == F.col("_cs")) & (F.col("_e") == F.col("_ce"))
+        unchanged = old_keys.join(changed, same, "left_anti").select(*WINDOWS_SCHEMA.names)
+        new = unchanged.unionByName(new)
+    if changes.limit(1).count() == 0:
+        return
+    manifest = spark_io.write_files(new.orderBy(*keys), job.settings, job.settings.table_uri(job.name, "windows"))
+    job.commits.step("windows", lambda: commit_files(
+        job.tables, job.name, "windows", manifest, WINDOWS_SCHEMA, txn, removes=removes,
+        stats_columns=["key", "window_start", "window_end", "event_timer", "ptime_timer"]))
+
+
+def _rewrite_current(job: BatchContext, txn: Txn, clock: BatchClock, out) -> None:
+    """The current view copy-on-write over the (day, hour) partitions of ``window_end`` the batch touches."""
+    from pyspark.sql import functions as F
+
+    rows = out.where("tbl = 'current'")
+    touched = rows.select(F.to_date(F.timestamp_micros("window_end")).alias("d"),
+                          F.hour(F.timestamp_micros("window_end")).alias("h")).distinct().collect()
+    if not touched:
+        return
+    on = ["key", "window_start", "window_end"] + (["pane_index"] if job.spec.mode.value == "discarding" else [])
+    pane_type = job.spec.pane_value_type
+    current = rows.select("key", _ts("window_start"), _ts("window_end"), F.col("pane_value").alias("value"),
+                          "pane_index", "timing", F.lit(clock.batch).alias("batch"), "deleted")
+    current = current.withColumn("window_end_day", F.to_date("window_end")).withColumn(
+        "window_end_hour", F.hour("window_end").cast("int"))
+    parts = {(r["d"].isoformat(), str(r["h"])) for r in touched}
+    dt = job.tables.open(job.name, "current")
+    removes = [] if dt is None else [a for a in live_files(job.tables, job.name, "current", dt.version())
+                                     if (a["partition_values"].get("window_end_day"),
+                                         a["partition_values"].get("window_end_hour")) in parts]
+    if dt is not None and tuple(dt.metadata().partition_columns) != CURRENT_PARTITIONS:
+        raise NotImplementedError("the Spark engine rewrites only current views partitioned by window_end")
+    keep = current.where("NOT deleted")
+    if removes:
+        old = sparksource.read(job.spark, f"{job.name}.current", job.settings)
+        touched_parts = None
+        for d, h in sorted(parts):
+            cond = (F.col("window_end_day") == F.lit(d).cast("date")) & (F.col("window_end_hour") == int(h))
+            touched_parts = cond if touched_parts is None else touched_parts | cond
+        old = old.where(touched_parts)
+        keep = old.join(current.select(*on), on, "left_anti").unionByName(keep)
+    schema = current_schema(pane_type).append(pa.field("window_end_day", pa.date32())).append(
+        pa.field("window_end_hour", pa.int32()))
+    manifest = spark_io.write_files(keep.withColumn("deleted", F.lit(False)), job.settings,
+                                    job.settings.table_uri(job.name, "current"), partition_by=list(CURRENT_PARTITIONS))
+    job.commits.step("current", lambda: commit_files(job.tables, job.name, "current", manifest, schema, txn,
+                                                     partition_by=CURRENT_PARTITIONS, removes=removes))
+
+
+def run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], prev: dict[str, Any] | None, w_in: int,
+                 processing_time: int, explicit_watermark, timer) -> tuple[dict[str, int], BatchClock, int | None]:
+    """The batch's read, dedup, watermark, per-key step and writes as Spark jobs; counts, clock, max event time."""
+    from millpond.runtime.steps.watermark import clock_for
+
+    spark_io.register(job.spark)
+    sparksource.register(job.spark)
+    bad, accepted, counts, max_et = read_and_dedup(job, the_plan, processing_time, w_in)
+    timer.lap("ingest")
+    policy = job.spec.watermark_policy
+    clock, max_et = clock_for(job, job.batch, processing_time, w_in, prev, max_et, the_plan, explicit_watermark,
+                              delays(accepted) if policy.kind == "percentile" and explicit_watermark is None else None)
+    timer.lap("watermark")
+    state = stored_windows(job, the_plan["versions"].get("windows"), accepted, clock)
+    if state is not None:
+        state = state.cache()
+    job.commits.plan_landed()
+    out = compute(job, clock, accepted, state)
+    timer.lap("windowing")
+    job.commits.defer()
+    outputs = write_outputs(job, txn, clock, bad, accepted, out, the_plan["versions"])
+    counts = {"files": len(the_plan["files"]), **counts, "late": 0, "panes": 0, "retractions": 0,
+              "state_rows_read": 0 if state is None else state.count(), **outputs}
+    return counts, clock, max_et
