@@ -6,6 +6,7 @@ import json
 from datetime import UTC, datetime
 
 import pyarrow.compute as pc
+import pytest
 from millpond.lake.landing import arrival_tag
 from millpond.lake.objectstore import ObjectStore
 from millpond.model.spec import pipeline_from_dict
@@ -39,14 +40,24 @@ CORPUS = {
 }
 
 
-def test_bad_input_corpus_is_quarantined_with_reasons(settings, tables, pipeline_name) -> None:
+@pytest.fixture(params=["local", "spark"])
+def engine(request, settings):
+    """Both engines: the in-process one and the whole batch as a Spark job (a session from the fixture)."""
+    if request.param == "local":
+        return settings.with_overrides(engine="local"), None
+    return settings.with_overrides(engine="spark"), request.getfixturevalue("spark")
+
+
+def test_bad_input_corpus_is_quarantined_with_reasons(engine, tables, pipeline_name) -> None:
+    settings, spark = engine
     spec = pipeline_from_dict({"name": pipeline_name, "window": {"type": "fixed", "size": "1m"},
                                "aggregation": "sum", "value_type": "int", "source": {"prefix": f"{pipeline_name}/"},
                                "watermark": {"policy": "processing_time", "lag": "1m"}})
     store = ObjectStore(settings)
     for name, body in CORPUS.items():
         store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{ARRIVAL}-{name}", body.encode())
-    result = run_batch(settings, spec, P)
+    result = run_batch(settings, spec, P, spark=spark)
+    assert ("dedup" in result.phases) == (spark is None)  # the local engine's own steps, or the Spark job
     q = tables.read_arrow(pipeline_name, "quarantine")
     reasons = {(r["source_file"].rsplit("-", 1)[-1], r["line"]): r["reason"] for r in q.to_pylist()}
     assert reasons[("malformed.jsonl", 1)].startswith("malformed JSON")
@@ -74,20 +85,21 @@ def test_bad_input_corpus_is_quarantined_with_reasons(settings, tables, pipeline
     assert pc.sum(panes.column("value")).as_py() == 1 + 2 + 3 + 1 + 1
 
 
-def test_rerun_is_skipped_and_files_are_taken_once(settings, tables, pipeline_name) -> None:
+def test_rerun_is_skipped_and_files_are_taken_once(engine, tables, pipeline_name) -> None:
+    settings, spark = engine
     spec = pipeline_from_dict({"name": pipeline_name, "window": {"type": "fixed", "size": "1m"},
                                "source": {"prefix": f"{pipeline_name}/"},
                                "watermark": {"policy": "processing_time", "lag": "0s"}})
     store = ObjectStore(settings)
     store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{ARRIVAL}-a.jsonl", (ev(1) + "\n").encode())
-    first = run_batch(settings, spec, P, validate=True)
+    first = run_batch(settings, spec, P, validate=True, spark=spark)
     assert not first.skipped and first.counts["accepted"] == 1
     assert first.quality.ok and "validation" in first.phases  # GX ran before the commit
-    again = run_batch(settings, spec, P)  # an Airflow retry of the same interval
+    again = run_batch(settings, spec, P, spark=spark)  # an Airflow retry of the same interval
     assert again.skipped and again.batch == 1
     # The same file uploaded again under another name: its ids are deduplicated.
     store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{ARRIVAL}-a-copy.jsonl", (ev(1) + "\n").encode())
-    second = run_batch(settings, spec, datetime(2026, 3, 1, 12, 10, tzinfo=UTC))
+    second = run_batch(settings, spec, datetime(2026, 3, 1, 12, 10, tzinfo=UTC), spark=spark)
     assert second.counts["duplicates"] == 1 and second.counts["accepted"] == 0
     assert tables.read_arrow(pipeline_name, "panes").num_rows == 1
     assert tables.read_arrow(pipeline_name, "batches").num_rows == 2

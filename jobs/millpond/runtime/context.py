@@ -22,6 +22,7 @@ class BatchContext(Protocol):
     strategy: Strategy
     name: str
     spark: object
+    validate: bool
     tables: Tables
     store: ObjectStore
     commits: Commits

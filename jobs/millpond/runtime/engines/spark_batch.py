@@ -105,18 +105,13 @@ def compute(job: BatchContext, clock: BatchClock, accepted, state):
 def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted, out, versions: dict[str, Any]
                   ) -> dict[str, int]:
     """Every output table's files from the executors, each table one commit; counts for the marker."""
-    from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     batch = clock.batch
     tally = {r["tbl"] + ":" + (r["kind"] or ""): r["n"]
              for r in out.groupBy("tbl", "kind").agg(F.count(F.lit(1)).alias("n")).collect()}
     pane_type, value_type = job.spec.pane_value_type, job.spec.value_type
-    panes = out.where("tbl = 'panes'").select(
-        "key", _ts("window_start"), _ts("window_end"), F.col("pane_value").alias("value"), "pane_index", "timing",
-        "is_last", "kind", F.lit(batch).alias("batch"), F.timestamp_micros(F.lit(clock.processing_time)).alias(
-            "processing_time"), F.timestamp_micros(F.lit(clock.watermark)).alias("watermark"),
-        F.row_number().over(Window.orderBy("key", "seq")).cast("long").alias("seq"))
+    panes = panes_frame(out, clock)
     late = out.where("tbl = 'late'").select(
         "id", "key", F.col("late_value").alias("value"), _ts("event_time"), _ts("arrival_time"), "reason",
         F.lit(batch).alias("batch"))
@@ -132,6 +127,33 @@ def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted,
     _rewrite_current(job, txn, clock, out)
     return {"late": tally.get("late:", 0), "panes": tally.get("panes:value", 0),
             "retractions": tally.get("panes:retraction", 0)}
+
+
+def panes_frame(out, clock: BatchClock):
+    """The ``panes`` rows, numbered batch-wide by key then emission order (the local engine's ``seq``)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    return out.where("tbl = 'panes'").select(
+        "key", _ts("window_start"), _ts("window_end"), F.col("pane_value").alias("value"), "pane_index", "timing",
+        "is_last", "kind", F.lit(clock.batch).alias("batch"),
+        F.timestamp_micros(F.lit(clock.processing_time)).alias("processing_time"),
+        F.timestamp_micros(F.lit(clock.watermark)).alias("watermark"),
+        F.row_number().over(Window.orderBy("key", "seq")).cast("long").alias("seq"))
+
+
+def validate_batch(job: BatchContext, clock: BatchClock, accepted, out) -> None:
+    """The quality suites on the batch's input, panes and state. Great Expectations validates pandas frames
+    here, so these rows come to the client (the one place a Spark batch does that; see docs/operations.md)."""
+    from pyspark.sql import functions as F
+
+    from millpond.runtime.steps.validate import validate
+
+    state = out.where("tbl = 'state'").select(
+        "key", _ts("window_start"), _ts("window_end"), "state", _ts("event_timer"), _ts("ptime_timer"),
+        F.lit(clock.batch).alias("batch"), "deleted")
+    validate(job, clock.batch, clock, accepted.toArrow(), panes_frame(out, clock).orderBy("seq").toArrow(),
+             state.toArrow())
 
 
 def _append(job: BatchContext, txn: Txn, table: str, df, schema: pa.Schema) -> None:
@@ -227,6 +249,9 @@ def run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], prev: di
     job.commits.plan_landed()
     out = compute(job, clock, accepted, state)
     timer.lap("windowing")
+    if job.validate:
+        validate_batch(job, clock, accepted, out)
+        timer.lap("validation")
     job.commits.defer()
     outputs = write_outputs(job, txn, clock, bad, accepted, out, the_plan["versions"])
     counts = {"files": len(the_plan["files"]), **counts, "late": 0, "panes": 0, "retractions": 0,
