@@ -1,0 +1,94 @@
+"""The product's main path: a batch as a Spark job submitted by a Spark Connect client (as an Airflow task
+is) to the warm Connect server, against the local engine's tables; and on a standalone cluster of two
+worker JVMs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from millpond.model.spec import pipeline_from_dict
+from millpond.orchestration.spark_server import SparkConnectServer, StandaloneCluster, _free_port
+from millpond.surface.replay import read_events, replay
+
+pytestmark = pytest.mark.slow
+
+SCENARIOS = Path(__file__).parent / "scenarios"
+DOC = {"window": {"type": "sessions", "gap": "1m"},
+       "trigger": "SequenceOf(RepeatUntil(AtPeriod('1m'), AtWatermark()), Repeat(AtWatermark()))",
+       "accumulation": "accumulating_and_retracting", "aggregation": "sum", "allowed_lateness": "10m",
+       "batch_interval": "1m"}
+CLIENT = """
+import json, sys
+from millpond.config import load_settings
+from millpond.model.spec import pipeline_from_dict
+from millpond.runtime.spark_client import connect
+from millpond.surface.replay import read_events, replay
+doc, events, url = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+settings = load_settings().with_overrides(engine="spark", spark_connect=url)
+replay(settings, pipeline_from_dict(doc), read_events(events), spark=connect(settings))
+print("ok")
+"""
+
+
+def _doc(name: str) -> dict:
+    return {"name": name, "source": {"prefix": f"replay/{name}/"}, **DOC,
+            "watermark": {"policy": "bounded_out_of_orderness", "bound": "30s"}}
+
+
+def _table(tables, name: str, table: str) -> list[str]:
+    t = tables.read_arrow(name, table, schema=pa.schema([]))
+    drop = [c for c in ("phases", "versions") if c in t.column_names]
+    return sorted(repr(sorted(r.items())).replace(name, "P") for r in t.drop(drop).to_pylist())
+
+
+def _compare(tables, local: str, other: str) -> None:
+    for table in ("panes", "current", "windows", "late", "seen_ids", "batches"):
+        assert _table(tables, local, table) == _table(tables, other, table), table
+
+
+def _run_client(url: str, name: str) -> None:
+    out = subprocess.run([sys.executable, "-c", CLIENT, json.dumps(_doc(name)),
+                          str(SCENARIOS / "fig14_sessions_retracting.jsonl"), url],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_connect_client_batches_match_the_local_engine(settings, tables, pipeline_name, tmp_path) -> None:
+    local = f"{pipeline_name}_local"
+    replay(settings.with_overrides(engine="local"), pipeline_from_dict(_doc(local)),
+           read_events(SCENARIOS / "fig14_sessions_retracting.jsonl"))
+    server_settings = settings.with_overrides(home=tmp_path, spark_connect_port=_free_port(),
+                                              spark_ui_port=_free_port(), spark_master="local[2]")
+    server = SparkConnectServer(server_settings)
+    server.start()
+    try:
+        _run_client(server_settings.spark_connect_url, f"{pipeline_name}_connect")
+    finally:
+        server.stop()
+    _compare(tables, local, f"{pipeline_name}_connect")
+
+
+def test_standalone_cluster_of_two_workers_matches_the_local_engine(settings, tables, pipeline_name, tmp_path
+                                                                    ) -> None:
+    local = f"{pipeline_name}_local"
+    replay(settings.with_overrides(engine="local"), pipeline_from_dict(_doc(local)),
+           read_events(SCENARIOS / "fig14_sessions_retracting.jsonl"))
+    home = settings.with_overrides(home=tmp_path)
+    cluster = StandaloneCluster(home, workers=2, cores=1, memory="1g")
+    master = cluster.start()
+    server_settings = home.with_overrides(spark_connect_port=_free_port(), spark_ui_port=_free_port(),
+                                          spark_master=master)
+    server = SparkConnectServer(server_settings)
+    try:
+        server.start()
+        _run_client(server_settings.spark_connect_url, f"{pipeline_name}_cluster")
+    finally:
+        server.stop()
+        cluster.stop()
+    _compare(tables, local, f"{pipeline_name}_cluster")
