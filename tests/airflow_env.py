@@ -98,6 +98,8 @@ def start_test_stack(conf_dir: Path):
         "MILLPOND_AIRFLOW_SCHEDULED_RUNS": "false",
         "MILLPOND_AIRFLOW_PAUSED_AT_CREATION": "false",
         "MILLPOND_AIRFLOW_PARALLELISM": "2",
+        # the suite's Airflow runs batches in-process; tests/test_spark_engine.py runs them as Spark jobs
+        "MILLPOND_ENGINE": "local",
     }
     # The in-process test Airflow's settings must not leak into the stack (its own DB and home).
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")} | overrides

@@ -111,7 +111,12 @@ def _run(args: argparse.Namespace) -> int:
     if via_airflow:
         run_via_airflow(settings, list(specs.values()), args.batches)
     else:
-        run_direct(settings, list(specs.values()), args.batches)
+        spark = None
+        if settings.engine == "spark":
+            from millpond.runtime.spark_client import connect
+
+            spark = connect(settings)
+        run_direct(settings, list(specs.values()), args.batches, spark=spark)
     print()
     print("Millpond is up.")
     if via_airflow:
