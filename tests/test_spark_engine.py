@@ -1,6 +1,6 @@
-"""The product's main path: a batch as a Spark job submitted by a Spark Connect client (as an Airflow task
-is) to the warm Connect server, against the local engine's tables; and on a standalone cluster of two
-worker JVMs."""
+"""The product's main path, scaled out: batches as Spark jobs submitted by a Spark Connect client (as an
+Airflow task is) to a Connect server whose master is a standalone cluster of two worker JVMs, against the
+local engine's tables. (The same path on ``local[*]`` is tests/test_ingest.py's and tests/test_cores.py's.)"""
 
 from __future__ import annotations
 
@@ -57,21 +57,6 @@ def _run_client(url: str, name: str) -> None:
                           str(SCENARIOS / "fig14_sessions_retracting.jsonl"), url],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
-
-
-def test_connect_client_batches_match_the_local_engine(settings, tables, pipeline_name, tmp_path) -> None:
-    local = f"{pipeline_name}_local"
-    replay(settings.with_overrides(engine="local"), pipeline_from_dict(_doc(local)),
-           read_events(SCENARIOS / "fig14_sessions_retracting.jsonl"))
-    server_settings = settings.with_overrides(home=tmp_path, spark_connect_port=_free_port(),
-                                              spark_ui_port=_free_port(), spark_master="local[2]")
-    server = SparkConnectServer(server_settings)
-    server.start()
-    try:
-        _run_client(server_settings.spark_connect_url, f"{pipeline_name}_connect")
-    finally:
-        server.stop()
-    _compare(tables, local, f"{pipeline_name}_connect")
 
 
 def test_standalone_cluster_of_two_workers_matches_the_local_engine(settings, tables, pipeline_name, tmp_path
