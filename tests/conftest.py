@@ -42,6 +42,7 @@ def millpond_home() -> Path:
 def settings(millpond_home: Path) -> Settings:
     """A running embedded object store; the process environment points at it for the session."""
     env = free_store_env(millpond_home)
+    env["MILLPOND_ENGINE"] = "local"  # the shipped default is spark; tests that want it say so
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     s = load_settings()

@@ -77,3 +77,39 @@ def test_standalone_cluster_of_two_workers_matches_the_local_engine(settings, ta
         server.stop()
         cluster.stop()
     _compare(tables, local, f"{pipeline_name}_cluster")
+
+
+def test_a_worker_killed_mid_stream_still_ends_in_the_same_tables(settings, tables, pipeline_name, tmp_path
+                                                                  ) -> None:
+    """SIGKILL one of the two worker JVMs once the first batch has committed: Spark retries the lost tasks on
+    the other worker (or a batch reruns under its application transaction) and the tables equal the local
+    engine's."""
+    import time
+
+    local = f"{pipeline_name}_local"
+    replay(settings.with_overrides(engine="local"), pipeline_from_dict(_doc(local)),
+           read_events(SCENARIOS / "fig14_sessions_retracting.jsonl"))
+    home = settings.with_overrides(home=tmp_path)
+    cluster = StandaloneCluster(home, workers=2, cores=1, memory="1g")
+    master = cluster.start()
+    server_settings = home.with_overrides(spark_connect_port=_free_port(), spark_ui_port=_free_port(),
+                                          spark_master=master)
+    server = SparkConnectServer(server_settings)
+    name = f"{pipeline_name}_killed"
+    try:
+        server.start()
+        client = subprocess.Popen([sys.executable, "-c", CLIENT, json.dumps(_doc(name)),
+                                   str(SCENARIOS / "fig14_sessions_retracting.jsonl"),
+                                   server_settings.spark_connect_url],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+        deadline = time.monotonic() + 300
+        while tables.version(name, "batches") is None and time.monotonic() < deadline and client.poll() is None:
+            time.sleep(0.5)
+        assert client.poll() is None, "the stream ended before a worker could be killed"
+        assert cluster.kill_worker(0)
+        out, err = client.communicate(timeout=600)
+        assert client.returncode == 0 and out.strip().endswith("ok"), err[-3000:]
+    finally:
+        server.stop()
+        cluster.stop()
+    _compare(tables, local, name)
