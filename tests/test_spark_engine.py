@@ -4,10 +4,12 @@ local engine's tables. (The same path on ``local[*]`` is tests/test_ingest.py's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -59,23 +61,34 @@ def _run_client(url: str, name: str) -> None:
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
-def test_standalone_cluster_of_two_workers_matches_the_local_engine(settings, tables, pipeline_name, tmp_path
-                                                                    ) -> None:
-    local = f"{pipeline_name}_local"
-    replay(settings.with_overrides(engine="local"), pipeline_from_dict(_doc(local)),
+def _local_run(settings, name: str) -> str:
+    replay(settings.with_overrides(engine="local"), pipeline_from_dict(_doc(name)),
            read_events(SCENARIOS / "fig14_sessions_retracting.jsonl"))
-    home = settings.with_overrides(home=tmp_path)
-    cluster = StandaloneCluster(home, workers=2, cores=1, memory="1g")
+    return name
+
+
+@contextlib.contextmanager
+def _cluster(settings, home: Path) -> Iterator[tuple[StandaloneCluster, str]]:
+    """A standalone master with two one-core workers, and a Connect server on it: (cluster, Connect URL)."""
+    local = settings.with_overrides(home=home)
+    cluster = StandaloneCluster(local, workers=2, cores=1, memory="1g")
     master = cluster.start()
-    server_settings = home.with_overrides(spark_connect_port=_free_port(), spark_ui_port=_free_port(),
-                                          spark_master=master)
+    server_settings = local.with_overrides(spark_connect_port=_free_port(), spark_ui_port=_free_port(),
+                                           spark_master=master)
     server = SparkConnectServer(server_settings)
     try:
         server.start()
-        _run_client(server_settings.spark_connect_url, f"{pipeline_name}_cluster")
+        yield cluster, server_settings.spark_connect_url
     finally:
         server.stop()
         cluster.stop()
+
+
+def test_standalone_cluster_of_two_workers_matches_the_local_engine(settings, tables, pipeline_name, tmp_path
+                                                                    ) -> None:
+    local = _local_run(settings, f"{pipeline_name}_local")
+    with _cluster(settings, tmp_path) as (_, url):
+        _run_client(url, f"{pipeline_name}_cluster")
     _compare(tables, local, f"{pipeline_name}_cluster")
 
 
@@ -86,21 +99,11 @@ def test_a_worker_killed_mid_stream_still_ends_in_the_same_tables(settings, tabl
     engine's."""
     import time
 
-    local = f"{pipeline_name}_local"
-    replay(settings.with_overrides(engine="local"), pipeline_from_dict(_doc(local)),
-           read_events(SCENARIOS / "fig14_sessions_retracting.jsonl"))
-    home = settings.with_overrides(home=tmp_path)
-    cluster = StandaloneCluster(home, workers=2, cores=1, memory="1g")
-    master = cluster.start()
-    server_settings = home.with_overrides(spark_connect_port=_free_port(), spark_ui_port=_free_port(),
-                                          spark_master=master)
-    server = SparkConnectServer(server_settings)
+    local = _local_run(settings, f"{pipeline_name}_local")
     name = f"{pipeline_name}_killed"
-    try:
-        server.start()
+    with _cluster(settings, tmp_path) as (cluster, url):
         client = subprocess.Popen([sys.executable, "-c", CLIENT, json.dumps(_doc(name)),
-                                   str(SCENARIOS / "fig14_sessions_retracting.jsonl"),
-                                   server_settings.spark_connect_url],
+                                   str(SCENARIOS / "fig14_sessions_retracting.jsonl"), url],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
         deadline = time.monotonic() + 300
         while tables.version(name, "batches") is None and time.monotonic() < deadline and client.poll() is None:
@@ -109,7 +112,4 @@ def test_a_worker_killed_mid_stream_still_ends_in_the_same_tables(settings, tabl
         assert cluster.kill_worker(0)
         out, err = client.communicate(timeout=600)
         assert client.returncode == 0 and out.strip().endswith("ok"), err[-3000:]
-    finally:
-        server.stop()
-        cluster.stop()
     _compare(tables, local, name)
