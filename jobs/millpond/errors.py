@@ -23,5 +23,9 @@ class PrerequisiteMissing(MillpondError):
     pass
 
 
+class ObjectMissing(MillpondError):
+    """An object that was listed is gone (deleted in between)."""
+
+
 class LeaseLost(MillpondError):
     """Another run of the same pipeline owns the lease: this one must not commit."""

@@ -16,7 +16,7 @@ from minio import Minio
 from minio.error import S3Error
 
 from millpond.config import Settings
-from millpond.errors import BadCredentials, BucketMissing, MillpondError, StoreUnreachable
+from millpond.errors import BadCredentials, BucketMissing, MillpondError, ObjectMissing, StoreUnreachable
 
 _BAD_KEYS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken"}
 
@@ -63,6 +63,8 @@ def translate(exc: BaseException, settings: Settings, bucket: str | None = None)
                 f"bucket '{bucket or exc.bucket_name}' does not exist at {settings.s3_endpoint}: "
                 "run `make up` (creates the buckets) or set MILLPOND_BUCKET_*"
             )
+        if exc.code == "NoSuchKey":
+            return ObjectMissing(f"object {exc.bucket_name}/{exc.object_name} does not exist at {settings.s3_endpoint}")
         return MillpondError(f"object store error {exc.code}: {exc.message}")
     if isinstance(exc, (urllib3.exceptions.HTTPError, OSError)):
         return StoreUnreachable(

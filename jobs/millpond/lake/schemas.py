@@ -16,6 +16,9 @@ PLAN_SCHEMA = pa.schema(
         ("files", pa.list_(pa.string())),
         ("file_arrivals", pa.list_(pa.int64())),
         ("versions", pa.string()),
+        # added later (null in rows written before): JSON objects {file: reason}
+        ("skipped", pa.string()),  # objects under the prefix that are not input, reported once
+        ("held", pa.string()),  # files quarantined whole by an operator (`millpond quarantine-file`)
     ]
 )
 QUARANTINE_SCHEMA = pa.schema(
@@ -41,6 +44,7 @@ BATCHES_SCHEMA = pa.schema(
         ("state_rows_read", pa.int64()),
         ("phases", pa.string()),
         ("versions", pa.string()),
+        ("skipped", pa.int64()),  # added later (null in rows written before): objects not taken, see the plan
     ]
 )
 #: tables whose versions a batch's plan pins (its reads of state use them)

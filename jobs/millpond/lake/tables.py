@@ -287,7 +287,7 @@ class Tables:
                                 writer_properties=_writer_properties(unique))
                 self._created.add(uri)
             else:
-                write_deltalake(dt, data, mode=mode, commit_properties=_commit(txn),
+                write_deltalake(dt, data, mode=mode, commit_properties=_commit(txn), schema_mode=_evolves(dt, data),
                                 post_commithook_properties=self._hooks, writer_properties=_writer_properties(unique))
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
@@ -424,3 +424,8 @@ class Tables:
         return True
 
 
+def _evolves(dt: DeltaTable, data: pa.Table) -> str | None:
+    """"merge" when the rows bring columns the table lacks (a contract grew a column: tables written by
+    an earlier version take it, their older rows read it as null), else None (the schema must match)."""
+    have = {f.name for f in dt.schema().fields}
+    return "merge" if any(name not in have for name in data.schema.names) else None

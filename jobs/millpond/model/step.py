@@ -66,7 +66,7 @@ class KeyResult:
     deletes: list[Window] = field(default_factory=list)
     #: windows merged away while holding an emitted value: removed from the current view
     merged_away: list[Window] = field(default_factory=list)
-    #: (element, reason) dropped as late or for a closed window
+    #: (element, reason) dropped as late, for a closed window, or because its window's sum would overflow
     late: list[tuple[Element, str]] = field(default_factory=list)
 
 
@@ -92,6 +92,8 @@ def timer_due(ws: WindowState, strategy: Strategy, clock: BatchClock) -> bool:
     )
 
 
+#: why the per-key step drops an element a checked sum cannot take (``Combiner.add_checked``)
+SUM_OUT_OF_RANGE = "sum out of range: adding the value would overflow its window's sum"
 #: the order a batch's elements are applied in (arrival, then event time, then id)
 _ARRIVAL_ORDER = attrgetter("arrival_time", "event_time", "id")
 
@@ -185,6 +187,8 @@ def _add_elements(elements: list[Element], live: dict[Window, WindowState], touc
     if wfn.merging and assigned:
         open_windows = [w for w, ws in live.items() if not ws.closed]
         groups = wfn.merge(open_windows + [w for _, w in assigned])
+        if comb.checked and len(open_windows) > 1:
+            assigned, groups = _keep_sums_in_range(assigned, groups, open_windows, live, strategy, result)
         target: dict[Window, Window] = {}
         for merged, members in groups:
             for m in members:
@@ -235,11 +239,40 @@ def _add_elements(elements: list[Element], live: dict[Window, WindowState], touc
         ws = live.get(w)
         if ws is None:
             ws = live[w] = WindowState(window=w, acc=comb.create())
-        ws.acc = comb.add_all(ws.acc, [el.value for el in els])
+        ws.acc, skipped = comb.add_checked(ws.acc, [el.value for el in els])
+        if skipped:
+            els = _drop_skipped(els, skipped, result)
+            if not els:
+                continue
         ws.unfired += len(els)
         ctx = TriggerContext(w, watermark, ptime, ws.trigger)
         trig.on_element(ctx, "0", min(els[0].arrival_time, ptime), len(els))
         touched.add(w)
+
+
+def _drop_skipped(els: list[Element], skipped: list[int], result: KeyResult) -> list[Element]:
+    """The elements a checked sum took; the others are dropped with the reason (counted like late ones)."""
+    gone = set(skipped)
+    result.late += [(els[i], SUM_OUT_OF_RANGE) for i in skipped]
+    return [el for i, el in enumerate(els) if i not in gone]
+
+
+def _keep_sums_in_range(assigned: list[tuple[Element, Window]], groups: list[tuple[Window, list[Window]]],
+                        open_windows: list[Window], live: dict[Window, WindowState], strategy: Strategy,
+                        result: KeyResult) -> tuple[list[tuple[Element, Window]], list[tuple[Window, list[Window]]]]:
+    """Sessions whose sums together would overflow are not merged: the batch's elements that would join
+    them are dropped with the reason, and the stored sessions stay apart (they never touched each other)."""
+    comb = strategy.combiner
+    bad: set[Window] = set()
+    for _merged, members in groups:
+        stored = sorted({m for m in members if m in live})
+        if len(stored) > 1 and comb.merge_checked([live[m].acc for m in stored]) is None:
+            bad.update(members)
+    if not bad:
+        return assigned, groups
+    result.late += [(el, SUM_OUT_OF_RANGE) for el, w in assigned if w in bad]
+    kept = [(el, w) for el, w in assigned if w not in bad]
+    return kept, strategy.window_fn.merge(open_windows + [w for _, w in kept])
 
 
 def _add_groups(groups: Sequence[WindowGroup], live: dict[Window, WindowState], touched: set[Window],
@@ -249,6 +282,7 @@ def _add_groups(groups: Sequence[WindowGroup], live: dict[Window, WindowState], 
     comb, trig = strategy.combiner, strategy.trigger
     merging = strategy.window_fn.merging
     for w, values, first_arrival in groups:
+        # unchecked: a key whose sums could leave the range is never formed on columns (``form_windows``)
         ws = live[w] = WindowState(window=w, acc=comb.add_all(comb.create(), values),
                                    trigger=merge_states(trig, [{}]) if merging else {}, unfired=len(values))
         trig.on_element(TriggerContext(w, watermark, ptime, ws.trigger), "0", min(first_arrival, ptime), len(values))

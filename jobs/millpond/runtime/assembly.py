@@ -43,7 +43,11 @@ def key_rows(
     """Run one key; return its (row type, key, payload fields) rows for an ``Assembly``."""
     strategy = strategy_of(spec_json)
     stored = [WindowState.from_json(Window(s, e), st) for s, e, st in state_rows]
-    res = process_key(key, stored, elements, clock, strategy, groups)
+    try:
+        res = process_key(key, stored, elements, clock, strategy, groups)
+    except Exception as exc:
+        exc.add_note(f"millpond: key {key!r}")  # for the batch's one-line failure (``runtime.failure``)
+        raise
     out: list[tuple[str, str, list]] = []
     for p in res.panes:
         out.append(("pane", key, [p.window_start, p.window_end, p.value, p.pane_index, p.timing, p.is_last, p.kind,

@@ -135,6 +135,8 @@ def form_windows(ev: pa.Table, counts: np.ndarray, stateless: np.ndarray, strate
     forever = MAX_TS - lateness
     late = np.where(end < forever, end <= w_in - lateness, MAX_TS <= w_in)
     formed = stateless & (counts > 0) & (np.bincount(key[late], minlength=len(counts)) == 0)
+    if strategy.combiner.checked:  # keys whose sums might overflow take the element path, which reports drops
+        formed &= ~may_overflow(ev.column("value"), counts)
     if not formed.any():
         return None
     take = formed[key]
@@ -163,3 +165,15 @@ def form_windows(ev: pa.Table, counts: np.ndarray, stateless: np.ndarray, strate
     by_key = [groups[per_key[i]:per_key[i + 1]] if f else None for i, f in enumerate(formed.tolist())]
     return by_key, formed
 
+
+def may_overflow(values: pa.ChunkedArray | pa.Array, counts: np.ndarray) -> np.ndarray:
+    """Per key (values grouped by key, ``counts`` each): whether some running sum of its values could leave
+    the value type's range (count x largest magnitude, with a margin for the float arithmetic)."""
+    limit = 2.0**62 if pa.types.is_integer(values.type) else 1e307
+    peak = np.zeros(len(counts))
+    has = counts > 0
+    if has.any():
+        mag = np.abs(pc.cast(values, pa.float64(), safe=False).to_numpy())  # rounding is within the margin
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])[has]
+        peak[has] = np.maximum.reduceat(mag, starts)
+    return counts * peak >= limit

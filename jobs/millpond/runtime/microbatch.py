@@ -19,6 +19,7 @@ from typing import Any
 import pyarrow as pa
 
 from millpond.config import Settings
+from millpond.errors import MillpondError
 from millpond.lake.lease import Lease
 from millpond.lake.objectstore import ObjectStore, StoredObject
 from millpond.lake.schemas import BATCHES_SCHEMA, OUTPUT_TABLES, PLAN_SCHEMA, STATE_TABLES
@@ -28,6 +29,7 @@ from millpond.model.spec import PipelineSpec
 from millpond.model.timeutil import MIN_TS, to_datetime, to_us
 from millpond.runtime.commits import Commits, PhaseTimer
 from millpond.runtime.engines import runs_on_spark
+from millpond.runtime.failure import batch_failed
 from millpond.runtime.steps import commit, compute, dedup, plan, read, validate, watermark
 
 
@@ -61,7 +63,8 @@ class BatchResult:
             f"{self.pipeline} batch {self.batch} @ {self.processing_time.isoformat()}: watermark "
             f"{self.watermark.isoformat() if self.watermark else '-'}; input {c.get('input', 0)}, accepted "
             f"{c.get('accepted', 0)}, duplicates {c.get('duplicates', 0)}, late {c.get('late', 0)}, "
-            f"quarantined {c.get('quarantined', 0)}, panes {c.get('panes', 0)}; "
+            f"quarantined {c.get('quarantined', 0)}, panes {c.get('panes', 0)}"
+            + (f", skipped {c['skipped']} (see `millpond history {self.pipeline}`)" if c.get("skipped") else "") + "; "
             + ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items())
         )
 
@@ -109,7 +112,12 @@ class MicroBatch:
         try:
             with self.lease.keep() as keeper:
                 self.commits = Commits(self.tables, self.name, keeper.check, batch=0)
-                return self._run(to_us(processing_time), watermark)
+                try:
+                    return self._run(to_us(processing_time), watermark)
+                except MillpondError:
+                    raise
+                except Exception as exc:  # a bug, or input no rule covers: one line, the way forward
+                    raise batch_failed(self.name, getattr(self, "batch", None), to_us(processing_time), exc) from exc
         finally:
             self.background.shutdown(wait=True)  # no commit left running behind an error or the lease
             self.lease.release()
@@ -130,6 +138,7 @@ class MicroBatch:
             from millpond.runtime.engines import spark_batch  # pyspark is imported by Spark batches only
 
             counts, clock, max_et = spark_batch.run_on_spark(self, txn, the_plan, prev, w_in, P, explicit_watermark, t)
+            counts["skipped"] = len(the_plan["skipped"])
             self._finish(txn, clock, max_et, counts, t)
             return BatchResult(self.name, batch, to_datetime(P), to_datetime(clock.watermark), counts, t.phases)
         good, bad = read.read_files(self, the_plan, P)
@@ -146,7 +155,8 @@ class MicroBatch:
         commit.commit_inputs(self, batch, txn, bad, accepted, kept, seen_version)
         counts = {"files": len(the_plan["files"]), "input": accepted.num_rows + duplicates + len(bad),
                   "accepted": accepted.num_rows, "duplicates": duplicates, "quarantined": len(bad),
-                  "late": 0, "panes": 0, "retractions": 0, "state_rows_read": 0, **outputs}
+                  "late": 0, "panes": 0, "retractions": 0, "state_rows_read": 0, "skipped": len(the_plan["skipped"]),
+                  **outputs}
         self._finish(txn, clock, max_et, counts, t)
         return BatchResult(self.name, batch, to_datetime(P), to_datetime(clock.watermark), counts, t.phases)
 

@@ -73,7 +73,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def _load_plugins() -> None:
     # Subcommands that live beside the concepts they drive.
-    for module in ("run", "replay", "query", "report", "operations"):
+    for module in ("run", "replay", "query", "report", "operations", "inputs"):
         try:
             __import__(f"millpond.surface.{module}")
         except ModuleNotFoundError as exc:

@@ -277,13 +277,23 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _configure_history(p: argparse.ArgumentParser) -> None:
-    p.add_argument("table", help="pipeline.table")
+    p.add_argument("table", help="pipeline.table (its Delta commits), or pipeline (its batches and the files "
+                                 "not read as input)")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--format", choices=FORMATS, default="table")
 
 
-@command("history", "show a table's Delta commits (versions for time travel)", _configure_history)
+@command("history", "show a table's Delta commits, or a pipeline's batches and files not read as input",
+         _configure_history)
 def _history(args: argparse.Namespace) -> int:
+    if "." not in args.table:
+        from millpond.surface.inputs import history as pipeline_history
+
+        batches, files = pipeline_history(load_settings(), args.table)
+        print(render(batches.slice(max(0, batches.num_rows - args.limit)) if args.limit else batches, args.format))
+        print(f"\nfiles of {args.table} not read as input (skipped, held by an operator, or quarantined whole):")
+        print(render(files, args.format))
+        return 0
     print(render(history(load_settings(), args.table, args.limit), args.format))
     return 0
 

@@ -24,6 +24,7 @@ from millpond.model.clock import BatchClock
 from millpond.model.panes import pane_schema
 from millpond.model.state import WINDOWS_SCHEMA
 from millpond.runtime.engines.spark_keys import per_key_step
+from millpond.runtime.steps.read import held_rows
 
 if TYPE_CHECKING:
     from millpond.runtime.context import BatchContext
@@ -61,8 +62,12 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
     totals = rows.agg(F.count(F.lit(1)).alias("rows"), F.count("reason").alias("bad")).collect()[0]
     kept = accepted.agg(F.count(F.lit(1)).alias("n"), F.max("event_time").alias("max_et")).collect()[0]
     good_n = totals["rows"] - totals["bad"]
-    counts = {"input": totals["rows"], "accepted": kept["n"], "duplicates": good_n - kept["n"],
-              "quarantined": totals["bad"]}
+    held = held_rows(the_plan)
+    if held:  # files an operator held: one quarantined row each, as on the local engine
+        bad = bad.unionByName(spark.createDataFrame([(None,) * 5 + (k, None, line, raw, why) for k, line, raw, why
+                                                     in held], schema=bad.schema))
+    counts = {"input": totals["rows"] + len(held), "accepted": kept["n"], "duplicates": good_n - kept["n"],
+              "quarantined": totals["bad"] + len(held)}
     return bad, accepted, counts, kept["max_et"]
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from millpond.lake.landing import LandingFile, file_arrival
+from millpond.lake.landing import INPROGRESS, LandingFile, file_arrival, not_input
 from millpond.lake.objectstore import StoredObject
 from millpond.lake.schemas import PLAN_SCHEMA
 from millpond.lake.tables import Txn
@@ -21,8 +21,6 @@ from millpond.runtime.upkeep import maintain, upkeep_turns
 
 if TYPE_CHECKING:
     from millpond.runtime.context import BatchContext
-
-INPROGRESS = ".inprogress"
 
 
 def read_history(job: BatchContext) -> dict[str, Any]:
@@ -47,32 +45,57 @@ def previous_batch(done: pa.Table, processing_time: int) -> tuple[dict[str, Any]
 
 
 def plan_of(log: pa.Table, batch: int) -> dict[str, Any] | None:
-    log = log.filter(pc.field("batch") == batch)
-    if not log.num_rows:
+    """The batch's committed plan (None if it has none yet), with the files an operator has since held
+    (``millpond quarantine-file``: rows of the same batch without versions) moved out of its files."""
+    rows = log.filter(pc.field("batch") == batch).to_pylist()
+    planned = [r for r in rows if r["versions"] is not None]
+    if not planned:
         return None
-    row = log.to_pylist()[0]
-    return {"files": row["files"], "arrivals": row["file_arrivals"], "versions": json.loads(row["versions"])}
+    row, held = planned[0], holds(rows)
+    pairs = [(f, a) for f, a in zip(row["files"], row["file_arrivals"], strict=True) if f not in held]
+    return {"files": [f for f, _ in pairs], "arrivals": [a for _, a in pairs], "versions": json.loads(row["versions"]),
+            "skipped": json.loads(row.get("skipped") or "{}"), "held": held}
+
+
+def holds(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """{file: reason} of the operator's holds among a batch's plan-log rows (the plan's own and later ones)."""
+    out: dict[str, str] = {}
+    for r in rows:
+        out.update(json.loads(r.get("held") or "{}"))
+    return out
 
 
 def taken_files(log: pa.Table) -> set[str]:
-    return {f for files in log.column("files").to_pylist() for f in files}
+    """Every file a plan has taken, held or reported as skipped: none is planned again."""
+    taken = {f for files in log.column("files").to_pylist() for f in files or ()}
+    for name in ("held", "skipped"):
+        if name in log.column_names:
+            taken.update(k for text in log.column(name).to_pylist() if text and text != "{}" for k in json.loads(text))
+    return taken
 
 
 def pending_files(listing: list[StoredObject], log: pa.Table, processing_time: int
-                  ) -> tuple[list[LandingFile], int | None]:
-    """Finished files to take now, and the arrival of the oldest file still being written."""
+                  ) -> tuple[list[LandingFile], int | None, dict[str, str]]:
+    """Finished files to take now, the arrival of the oldest file still being written, and the objects
+    under the prefix that are not input ({key: reason}, reported once, by the first batch that lists them)."""
     taken = taken_files(log)
     out = []
     unfinished: list[int] = []
+    skipped: dict[str, str] = {}
     for obj in listing:
+        if obj.key in taken:
+            continue
         arrival = file_arrival(obj)
         if arrival >= processing_time:
             continue
-        if obj.key.endswith(INPROGRESS):
+        reason = not_input(obj.key)
+        if reason:
+            skipped[obj.key] = reason
+        elif obj.key.lower().endswith(INPROGRESS):
             unfinished.append(arrival)
-        elif obj.key not in taken and obj.key.endswith((".jsonl", ".json")):
+        else:
             out.append(LandingFile(obj.key, arrival, obj.size, obj.etag))
-    return sorted(out, key=lambda f: (f.arrival, f.key)), min(unfinished, default=None)
+    return sorted(out, key=lambda f: (f.arrival, f.key)), min(unfinished, default=None), skipped
 
 
 def plan_batch(job: BatchContext, batch: int, txn: Txn, found: dict[str, Any], prev: dict[str, Any] | None,
@@ -87,18 +110,28 @@ def plan_batch(job: BatchContext, batch: int, txn: Txn, found: dict[str, Any], p
         return plan
     job.commits.absent = ({n for n, v in json.loads(prev["versions"] or "{}").items() if v is None} if prev
                           else set(job.output_tables) - {"ingest_log"})
-    files, oldest_pending = pending_files(found["landing"], found["log"], processing_time)
+    files, oldest_pending, skipped = pending_files(found["landing"], found["log"], processing_time)
     versions = {name: found[f"version:{name}"] for name in job.state_tables}
     versions["oldest_pending"] = oldest_pending
-    plan = {"files": [f.key for f in files], "arrivals": [f.arrival for f in files], "versions": versions}
-    row = pa.Table.from_arrays([
-        pa.array([batch], pa.int64()), ts_array([processing_time]), pa.array([plan["files"]], pa.list_(pa.string())),
-        pa.array([plan["arrivals"]], pa.list_(pa.int64())), pa.array([json.dumps(versions, sort_keys=True)])],
-        schema=PLAN_SCHEMA)
+    held = holds(found["log"].filter(pc.field("batch") == batch).to_pylist())
+    plan = {"files": [f.key for f in files], "arrivals": [f.arrival for f in files], "versions": versions,
+            "skipped": skipped, "held": held}
+    row = plan_row(batch, processing_time, plan)
     job.commits.plan_commit = job.background.submit(
         job.commits.commit_now, "ingest_log", lambda: job.tables.append(job.name, "ingest_log", row, txn=txn),
         "ingest_log")
     return plan
+
+
+def plan_row(batch: int, processing_time: int | None, plan: dict[str, Any]) -> pa.Table:
+    """The plan log's row of a plan (``versions`` None: an operator's hold for the batch, see ``holds``)."""
+    versions = plan.get("versions")
+    return pa.Table.from_arrays([
+        pa.array([batch], pa.int64()), ts_array([processing_time]), pa.array([plan["files"]], pa.list_(pa.string())),
+        pa.array([plan["arrivals"]], pa.list_(pa.int64())),
+        pa.array([None if versions is None else json.dumps(versions, sort_keys=True)], pa.string()),
+        pa.array([json.dumps(plan.get("skipped") or {}, sort_keys=True)], pa.string()),
+        pa.array([json.dumps(plan.get("held") or {}, sort_keys=True)], pa.string())], schema=PLAN_SCHEMA)
 
 
 def start_upkeep(job: BatchContext, batch: int) -> None:
