@@ -29,3 +29,7 @@ class ObjectMissing(MillpondError):
 
 class LeaseLost(MillpondError):
     """Another run of the same pipeline owns the lease: this one must not commit."""
+
+
+class PipelineChanged(MillpondError):
+    """The pipeline's spec changed in a way that reinterprets its stored state: the batch writes nothing."""

@@ -45,6 +45,8 @@ BATCHES_SCHEMA = pa.schema(
         ("phases", pa.string()),
         ("versions", pa.string()),
         ("skipped", pa.int64()),  # added later (null in rows written before): objects not taken, see the plan
+        ("spec", pa.string()),  # added later: the pipeline's semantic spec (``model.versions``) the batch ran
+        ("state_format", pa.int64()),  # added later: the state format it wrote (null: format 1)
     ]
 )
 #: tables whose versions a batch's plan pins (its reads of state use them)

@@ -30,7 +30,7 @@ from millpond.model.timeutil import MIN_TS, to_datetime, to_us
 from millpond.runtime.commits import Commits, PhaseTimer
 from millpond.runtime.engines import runs_on_spark
 from millpond.runtime.failure import batch_failed
-from millpond.runtime.steps import commit, compute, dedup, plan, read, validate, watermark
+from millpond.runtime.steps import commit, compute, dedup, plan, read, validate, versions, watermark
 
 
 def committed_versions(tables: Tables, pipeline: str) -> dict[str, int]:
@@ -128,6 +128,7 @@ class MicroBatch:
         prev, skip = plan.previous_batch(found["done"], P)
         if skip:
             return BatchResult(self.name, prev["batch"], to_datetime(P), prev["watermark"], skipped=True, reason=skip)
+        versions.check_spec(self, prev)  # a changed spec stops here, before anything is written
         batch = self.batch = self.commits.batch = (prev["batch"] if prev else 0) + 1
         txn = self.txn(batch)
         w_in = to_us(prev["watermark"]) if prev else MIN_TS

@@ -2,7 +2,7 @@
 
 ``millpond quarantine-file P FILE`` holds a file: the next batch of P (or the rerun of the batch that keeps
 failing on it) quarantines it whole instead of reading it, and its plan records the hold. ``millpond
-history P`` lists P's batches with their counts, then every file not read as input: skipped (not a
+history P`` lists P's batches with their counts and spec changes, then every file not read as input: skipped (not a
 landing file), held by an operator, or quarantined whole (unreadable), each with its batch and reason.
 """
 
@@ -22,6 +22,7 @@ from millpond.lake.lease import Lease
 from millpond.lake.objectstore import ObjectStore
 from millpond.lake.schemas import BATCHES_SCHEMA, PLAN_SCHEMA, QUARANTINE_SCHEMA
 from millpond.lake.tables import Tables
+from millpond.model.versions import changes
 from millpond.runtime.steps.plan import plan_of, plan_row, taken_files
 from millpond.surface.cli import command
 
@@ -76,6 +77,8 @@ def history(settings: Settings, pipeline: str) -> tuple[pa.Table, pa.Table]:
     done = tables.read_whole(pipeline, "batches", BATCHES_SCHEMA).sort_by("batch")
     batches = pa.table({c: done.column(c) if c in done.column_names else pa.nulls(done.num_rows, pa.int64())
                         for c in HISTORY_COLUMNS})
+    specs = done.column("spec").to_pylist() if "spec" in done.column_names else [None] * done.num_rows
+    batches = batches.append_column("spec_change", pa.array(spec_changes(specs), pa.string()))
     log = tables.read_whole(pipeline, "ingest_log", PLAN_SCHEMA)
     committed = set(done.column("batch").to_pylist())
     found: dict[tuple[int, str], dict[str, Any]] = {}  # a hold is in its request row and in the plan
@@ -94,6 +97,24 @@ def history(settings: Settings, pipeline: str) -> tuple[pa.Table, pa.Table]:
     schema = pa.schema([("batch", pa.int64()), ("file", pa.string()), ("fate", pa.string()), ("reason", pa.string()),
                         ("state", pa.string())])
     return batches, pa.Table.from_pylist(rows, schema=schema)
+
+
+def spec_changes(specs: list[str | None]) -> list[str]:
+    """Per batch, how its spec differs from the batch before ('' unchanged; 'recorded' for the first spec
+    recorded): where a pipeline's spec changed, for ``millpond history P``."""
+    out, before = [], None
+    for text in specs:
+        if text is None:
+            out.append("")
+            continue
+        spec = json.loads(text)
+        if before is None:
+            out.append("recorded")
+        else:
+            breaking, safe = changes(before, spec)
+            out.append(", ".join(breaking + safe))
+        before = spec
+    return out
 
 
 def _configure_hold(p: argparse.ArgumentParser) -> None:

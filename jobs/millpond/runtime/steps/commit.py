@@ -15,8 +15,10 @@ from millpond.lake.schemas import BATCHES_SCHEMA, CURRENT_PARTITIONS, QUARANTINE
 from millpond.lake.tables import Txn
 from millpond.model.clock import BatchClock
 from millpond.model.panes import TS
+from millpond.model.versions import STATE_FORMAT
 from millpond.runtime.assembly import Assembly, ts_array
 from millpond.runtime.commits import PhaseTimer
+from millpond.runtime.steps.versions import spec_record
 
 if TYPE_CHECKING:
     from millpond.runtime.context import BatchContext
@@ -69,7 +71,8 @@ def commit_marker(job: BatchContext, txn: Txn, clock: BatchClock, max_et: int | 
     marker = {"batch": clock.batch, "processing_time": clock.processing_time, "watermark": clock.watermark,
               "input_watermark": clock.input_watermark, "max_event_time": max_et, **counts,
               "phases": json.dumps({k: round(v, 4) for k, v in timer.phases.items()}),
-              "versions": json.dumps(job.commits.versions(job.output_tables, probed), sort_keys=True)}
+              "versions": json.dumps(job.commits.versions(job.output_tables, probed), sort_keys=True),
+              "spec": spec_record(job.spec.raw), "state_format": STATE_FORMAT}
     arrays = [(ts_array([marker[f.name]]) if f.type == TS else pa.array([marker[f.name]], f.type))
               for f in BATCHES_SCHEMA]
     row = pa.Table.from_arrays(arrays, schema=BATCHES_SCHEMA)
