@@ -6,6 +6,7 @@ A backfill of three intervals must leave the same tables as three live runs of t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -110,6 +111,23 @@ def test_backfill_equals_live_runs(settings: Settings, conf_dir: Path, airflow_s
     b = sorted_rows(backfilled.read_arrow(p, "batches"), drop=timing_free)
     assert [r["processing_time"] for r in a] == [T0 + (i + 1) * STEP for i in range(3)]
     assert a == b, (a, b)
+
+    # A reprocess from the second interval's start, TO before the last batch: the tables are rewound to
+    # batch 1 (new commits), Airflow redoes the completed runs on to batch 3, and the result is the same.
+    lines.clear()
+    states = Backfill(stack_settings, p, T0 + STEP, T0 + 2 * STEP, reprocess="completed", stack=stack).run(
+        timeout=400, echo=lines.append)
+    assert sorted(states.values()) == ["success"] * 2, lines
+    assert any("rewound to batch 1" in line for line in lines), lines
+    for name in ("panes", "current", "windows", "late"):
+        if live.exists(p, name):
+            assert sorted_rows(live.read_arrow(p, name)) == sorted_rows(backfilled.read_arrow(p, name)), name
+    versionless = timing_free + ("versions",)  # table versions moved on: the rewind's restores are commits too
+    assert sorted_rows(backfilled.read_arrow(p, "batches"), drop=versionless) == \
+        sorted_rows(live.read_arrow(p, "batches"), drop=versionless)
+    (op,) = backfilled.read_arrow(p, "operations").to_pylist()
+    assert op["operation"] == "reprocess" and json.loads(op["detail"])["last_batch"] == 3
+    assert any(h.get("operation") == "RESTORE" for h in backfilled.history(p, "windows"))
 
 
 def test_a_dead_scheduler_is_restarted(airflow_stack) -> None:

@@ -78,3 +78,11 @@ def current_schema(value_type: str) -> pa.Schema:
 def value_arrow_type(value_type: str) -> pa.DataType:
     """The Arrow type of a value column of type ``int`` or ``float``."""
     return pa.int64() if value_type == "int" else pa.float64()
+
+#: a pipeline's operations on its own tables (a reprocess's rewind): never rewound, so it keeps them all
+OPERATIONS_SCHEMA = pa.schema([
+    ("at", pa.timestamp("us", tz="UTC")),
+    ("operation", pa.string()),
+    ("by", pa.string()),
+    ("detail", pa.string()),  # JSON: what the operation did (the rewind's batches and table versions)
+])

@@ -71,3 +71,15 @@ class Table:
         except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
             raise _wrap(exc, self.uri, self.tables.settings.s3_endpoint) from exc
         return self.version()
+
+    def clear(self, where: str | None = None, txn: Txn | None = None) -> int | None:
+        """Delete the rows matching the SQL predicate ``where`` (default: every row) as a new commit; history
+        keeps them. Returns the new version, or None when the table does not exist or ``txn`` was applied."""
+        dt = self.tables.open(self.pipeline, self.name)
+        if dt is None or self.tables.already_applied(dt, txn):
+            return None
+        try:
+            dt.delete(where, commit_properties=_commit(txn))
+        except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
+            raise _wrap(exc, self.uri, self.tables.settings.s3_endpoint) from exc
+        return self.version()

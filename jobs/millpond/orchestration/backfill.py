@@ -7,6 +7,11 @@ are skipped by the engine, so a backfill over a range that was partly processed 
 
 FROM/TO are the processing-time range: the batches cover arrivals in [FROM, TO), one per
 ``batch_interval``; FROM is floored and TO ceiled to the interval.
+
+``reprocess="completed"`` recomputes a past range: the pipeline's tables are rewound to the last batch at or
+before FROM (``runtime.rewind``: new Delta commits, history keeps the old results), the range reaches on to
+the last committed batch, and Airflow redoes the completed runs (live runs meanwhile leave their files to the
+first live run after it, ``rewind.catching_up``).
 """
 
 from __future__ import annotations
@@ -204,12 +209,37 @@ class Backfill:
                     "another table root"
                 )
 
+    def rewind(self, echo=print) -> None:
+        """For a reprocess: rewind the pipeline's tables to the last batch at or before FROM (new Delta
+        commits, ``runtime.rewind``), and reach on to the last committed batch, so the pipeline ends where it
+        was, recomputed. The runs carry ``reprocess`` so a run that still finds later batches rewinds too."""
+        from millpond.lake.tables import Tables
+        from millpond.model.timeutil import iso, to_datetime, to_us
+        from millpond.orchestration.dagfactory import load_spec
+        from millpond.runtime import rewind
+
+        settings = self.stack.settings
+        r = rewind.run(settings, Tables(settings), load_spec(settings, self.info.name), to_us(self.start),
+                       by=f"backfill of {self.dag_id} from {_iso(self.start)}")
+        if not r.noop:
+            echo(f"{self.info.name}: rewound to batch {r.to_batch or 0} "
+                 f"({iso(r.to_time) if r.to_time else 'before the first batch'}); the old results stay in the "
+                 f"tables' history; reprocessing to {iso(r.last_time)}")
+        self.end = max(self.end, align(self.start, to_datetime(r.last_time), self.info.batch_interval)[1])
+        self.conf["reprocess"] = True
+
     def run(self, wait: bool = True, timeout: float = 3600.0, echo=print) -> dict[str, str]:
         if not any(self.stack.pids().values()):
             raise MillpondError("Airflow is not running: start it with `make up`")
         self._revive(echo)
-        self.check_order()
         self.wait_for_dag()
+        if self.reprocess == "completed":
+            self.rewind(echo)
+        else:
+            self.check_order()
+        return self._run(wait, timeout, echo)
+
+    def _run(self, wait: bool, timeout: float, echo) -> dict[str, str]:
         created = self.create()
         echo(f"backfill {created['id']} of {self.dag_id}: {self.total} batches over "
              f"[{_iso(self.start)}, {_iso(self.end)}) every {self.info.batch_interval} -> {self.stack.url}/dags/"

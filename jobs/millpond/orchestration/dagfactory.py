@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from millpond.config import Settings, load_settings
-from millpond.model.timeutil import parse_duration
+from millpond.model.timeutil import parse_duration, to_us
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +203,10 @@ def build_dag(info: PipelineInfo, settings: Settings):
             "demo": Param(False, type="boolean",
                           description="Land deterministic demo events for the interval first (pipelines with "
                           "`demo:`; MILLPOND_DEMO=1 turns it on for every run)."),
+            "reprocess": Param(False, type="boolean",
+                               description="Recompute: if batches at or after this run's interval are committed, "
+                               "rewind the pipeline's tables to before it first (a backfill with 'reprocess "
+                               "completed runs' sets this; see docs/operations.md, 'Reprocess')."),
             "watermark_lag_override": Param(
                 None, type=["null", "string"],
                 description="Watermark = processing time minus this lag (e.g. 2m), instead of the pipeline policy.",
@@ -257,6 +261,18 @@ def build_dag(info: PipelineInfo, settings: Settings):
             # The lease's owner is this DAG run: a retry of it (a new process) takes the lease back at once,
             # while a killed attempt that still runs somewhere is fenced by the lease's token.
             run = context.get("dag_run")
+            from millpond.lake.tables import Tables
+            from millpond.runtime import rewind
+
+            if _truthy(conf.get("reprocess", params.get("reprocess"))):
+                rewound = rewind.run(s, Tables(s), load_spec(s, name), to_us(start), by=f"{info.dag_id} run "
+                                     f"{getattr(run, 'run_id', None)}")
+                if not rewound.noop:
+                    log.info("reprocess: %s rewound to batch %s (its later batches are in the tables' history)",
+                             name, rewound.to_batch or 0)
+            elif waits := rewind.catching_up(Tables(s), name, to_us(processing_time)):
+                log.info("%s", waits)
+                return {"processing_time": plan["end"], "skipped": True, "counts": {}, "reason": waits}
             owner = f"airflow/{info.dag_id}/{getattr(run, 'run_id', None) or plan['end']}"
             result = run_batch(s, load_spec(s, name), processing_time, watermark=watermark, spark=spark, owner=owner,
                                validate=True)

@@ -27,6 +27,7 @@ from millpond.lake.tables import Tables, Txn
 from millpond.model.clock import BatchClock
 from millpond.model.spec import PipelineSpec
 from millpond.model.timeutil import MIN_TS, to_datetime, to_us
+from millpond.runtime import rewind
 from millpond.runtime.commits import Commits, PhaseTimer
 from millpond.runtime.engines import runs_on_spark
 from millpond.runtime.failure import batch_failed
@@ -91,8 +92,11 @@ class MicroBatch:
         self.background: ThreadPoolExecutor
         self.commits: Commits
 
+    #: the rewinds the pipeline went through (``runtime.rewind``): part of its commits' application id
+    epoch: int = 0
+
     def txn(self, batch: int) -> Txn:
-        return Txn(app_id=f"millpond/{self.name}", version=batch)
+        return Txn(app_id=rewind.app_id(self.name, self.epoch), version=batch)
 
     # history the plan reads ----------------------------------------------------------------------
     def committed(self) -> pa.Table:
@@ -129,6 +133,7 @@ class MicroBatch:
         if skip:
             return BatchResult(self.name, prev["batch"], to_datetime(P), prev["watermark"], skipped=True, reason=skip)
         versions.check_spec(self, prev)  # a changed spec stops here, before anything is written
+        self.epoch = rewind.epoch(self.tables, self.name)  # batch numbers restart after a rewind: new txn ids
         batch = self.batch = self.commits.batch = (prev["batch"] if prev else 0) + 1
         txn = self.txn(batch)
         w_in = to_us(prev["watermark"]) if prev else MIN_TS

@@ -20,9 +20,10 @@ from millpond.errors import MillpondError
 from millpond.lake.catalog import lake_tables
 from millpond.lake.lease import Lease
 from millpond.lake.objectstore import ObjectStore
-from millpond.lake.schemas import BATCHES_SCHEMA, PLAN_SCHEMA, QUARANTINE_SCHEMA
+from millpond.lake.schemas import BATCHES_SCHEMA, OPERATIONS_SCHEMA, PLAN_SCHEMA, QUARANTINE_SCHEMA
 from millpond.lake.tables import Tables
 from millpond.model.versions import changes
+from millpond.runtime import rewind
 from millpond.runtime.steps.plan import plan_of, plan_row, taken_files
 from millpond.surface.cli import command
 
@@ -64,7 +65,7 @@ def hold_file(settings: Settings, pipeline: str, prefix: str, key: str, reason: 
 
 
 def _refuse_if_committing(settings: Settings, tables: Tables, pipeline: str, batch: int) -> None:
-    app = f"millpond/{pipeline}"
+    app = rewind.app_id(pipeline, rewind.epoch(tables, pipeline))
     for name in lake_tables(settings, pipeline):
         if name not in BOOKKEEPING and (tables.txn_version(pipeline, name, app) or 0) >= batch:
             raise MillpondError(f"batch {batch} of {pipeline} has already committed to {pipeline}.{name}: its "
@@ -97,6 +98,19 @@ def history(settings: Settings, pipeline: str) -> tuple[pa.Table, pa.Table]:
     schema = pa.schema([("batch", pa.int64()), ("file", pa.string()), ("fate", pa.string()), ("reason", pa.string()),
                         ("state", pa.string())])
     return batches, pa.Table.from_pylist(rows, schema=schema)
+
+
+def operations(settings: Settings, pipeline: str) -> pa.Table:
+    """The pipeline's operations on its own tables (reprocesses: when, by whom, rewound to which batch)."""
+    ops = Tables(settings).read_arrow(pipeline, "operations", schema=OPERATIONS_SCHEMA).sort_by("at").to_pylist()
+    rows = []
+    for o in ops:
+        d = json.loads(o["detail"] or "{}")
+        rows.append({"at": o["at"], "operation": o["operation"], "by": o["by"], "from": d.get("from"),
+                     "rewound_to_batch": d.get("to_batch") or 0, "was_at_batch": d.get("last_batch")})
+    schema = pa.schema([("at", OPERATIONS_SCHEMA.field("at").type), ("operation", pa.string()), ("by", pa.string()),
+                        ("from", pa.string()), ("rewound_to_batch", pa.int64()), ("was_at_batch", pa.int64())])
+    return pa.Table.from_pylist(rows, schema=schema)
 
 
 def spec_changes(specs: list[str | None]) -> list[str]:

@@ -38,8 +38,11 @@ def _configure_backfill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline", required=True, help="pipeline name (conf/pipelines/<name>.yaml)")
     p.add_argument("--from", dest="start", required=True, help="first processing-time bound (ISO-8601)")
     p.add_argument("--to", dest="end", required=True, help="last processing-time bound, exclusive (ISO-8601)")
-    p.add_argument("--reprocess", choices=["none", "failed", "completed"], default="none",
-                   help="intervals that already have a run: skip (none), redo failed, or redo all")
+    p.add_argument("--reprocess", choices=["none", "failed", "completed"], default="none", nargs="?",
+                   const="completed",
+                   help="intervals that already have a run: skip (none), redo failed, or recompute the range "
+                   "(--reprocess alone, or 'completed': the tables are rewound to FROM as new Delta commits and the "
+                   "batches from FROM on run again, to the last committed one; docs/operations.md, 'Reprocess')")
     p.add_argument("--demo", action="store_true", help="land the pipeline's demo events for each interval first")
     p.add_argument("--no-wait", action="store_true", help="return once the backfill is created")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the runs (default 3600)")

@@ -288,9 +288,14 @@ def _configure_history(p: argparse.ArgumentParser) -> None:
 def _history(args: argparse.Namespace) -> int:
     if "." not in args.table:
         from millpond.surface.inputs import history as pipeline_history
+        from millpond.surface.inputs import operations
 
         batches, files = pipeline_history(load_settings(), args.table)
         print(render(batches.slice(max(0, batches.num_rows - args.limit)) if args.limit else batches, args.format))
+        ops = operations(load_settings(), args.table)
+        if ops.num_rows:
+            print(f"\noperations on {args.table}'s tables (reprocesses):")
+            print(render(ops, args.format))
         print(f"\nfiles of {args.table} not read as input (skipped, held by an operator, or quarantined whole):")
         print(render(files, args.format))
         return 0

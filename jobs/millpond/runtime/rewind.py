@@ -1,0 +1,146 @@
+"""Rewind: a pipeline's tables made as they were after an earlier batch, the first half of a reprocess.
+
+A reprocess from X recomputes every batch after X (late files landed into the past range, a fixed bug, a
+changed spec). Its rewind makes every table the pipeline writes hold what it held after the last batch at or
+before X: the versions that batch's marker names are restored as new Delta commits, so history and time
+travel keep the old results; a table the batch had not written yet is emptied. The batches from X on then
+run as usual and find exactly the state a run that never went past X would have had.
+
+Batch numbers restart after the rewound batch, so the batches' application transactions are made new: each
+rewind is an *epoch* (``millpond/P#2`` after the first rewind), recorded as the transaction of the rewind's own
+commits. The rewind's restores carry it too, which makes a rewind that stopped half-way idempotent: run it
+again and the tables already rewound are skipped. While it runs it holds the pipeline's lease for long (a
+week): a rewind cut off half-way keeps the pipeline's batches out until the same reprocess runs again.
+A reprocess is recorded in the pipeline's ``operations`` table (never rewound), which ``millpond history P``
+shows.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import pyarrow as pa
+
+from millpond.config import Settings
+from millpond.errors import PipelineChanged
+from millpond.lake.delta_options import Txn
+from millpond.lake.lease import Lease
+from millpond.lake.schemas import BATCHES_SCHEMA, OPERATIONS_SCHEMA
+from millpond.lake.tables import Tables
+from millpond.model.spec import PipelineSpec
+from millpond.model.timeutil import iso, to_us
+from millpond.model.versions import changes, semantic_spec
+
+#: how long a rewind holds the lease (released when it ends; only a rewind cut off half-way keeps it)
+HOLD_S = 7 * 86400
+#: written first to last: the plan log and the markers go last, so a rewind cut off half-way is redone whole
+LAST = ("ingest_log", "batches")
+
+
+def rewind_app(pipeline: str) -> str:
+    return f"millpond/{pipeline}/rewind"
+
+
+def epoch(tables: Tables, pipeline: str) -> int:
+    """How many rewinds the pipeline's markers have been through (0: none)."""
+    return tables.txn_version(pipeline, "batches", rewind_app(pipeline)) or 0
+
+
+def app_id(pipeline: str, epoch_no: int) -> str:
+    """The application id of a batch's commits: new after each rewind, as batch numbers start again."""
+    return f"millpond/{pipeline}" if not epoch_no else f"millpond/{pipeline}#{epoch_no + 1}"
+
+
+@dataclass
+class Rewind:
+    """What a rewind does (``plan``) and did (``run``)."""
+
+    pipeline: str
+    #: the batch the tables go back to (None: before the first batch), and its processing time
+    to_batch: int | None
+    to_time: int | None
+    #: the last committed batch before the rewind, and its processing time
+    last_batch: int
+    last_time: int
+    #: {table: version restored (None: emptied)}; ``batches`` keeps its rows up to ``to_batch`` instead
+    targets: dict[str, int | None] = field(default_factory=dict)
+
+    @property
+    def noop(self) -> bool:
+        return (self.to_batch or 0) == self.last_batch
+
+
+def plan(tables: Tables, spec: PipelineSpec, start: int) -> Rewind:
+    """The rewind for a reprocess from ``start`` (µs): back to the last batch whose processing time is at or
+    before it. A spec that would reinterpret that batch's state is refused: reprocess from the start then."""
+    done = tables.read_whole(spec.name, "batches", BATCHES_SCHEMA).sort_by("batch")
+    if not done.num_rows:  # nothing committed: nothing to rewind
+        return Rewind(spec.name, None, None, 0, 0)
+    rows = done.to_pylist()
+    last = rows[-1]
+    before = [r for r in rows if to_us(r["processing_time"]) <= start]
+    to = before[-1] if before else None
+    if to is not None and to.get("spec"):
+        breaking, _ = changes(json.loads(to["spec"]), json.loads(json.dumps(semantic_spec(spec.raw), default=str)))
+        if breaking:
+            first = iso(to_us(rows[0]["processing_time"]) - spec.batch_interval)
+            raise PipelineChanged(
+                f"{spec.name}: the pipeline changed ({', '.join(breaking)}) since the state at "
+                f"{iso(to_us(to['processing_time']))} was written, so a reprocess from there would misread it: "
+                f"reprocess from the start (--from {first}) to recompute everything under the new spec")
+    names = [n for n in json.loads(last["versions"] or "{}") if n not in LAST] + list(LAST)
+    kept = json.loads(to["versions"] or "{}") if to else {}
+    return Rewind(spec.name, to["batch"] if to else None, to_us(to["processing_time"]) if to else None,
+                  last["batch"], to_us(last["processing_time"]), {n: kept.get(n) for n in names})
+
+
+def run(settings: Settings, tables: Tables, spec: PipelineSpec, start: int, by: str) -> Rewind:
+    """Rewind ``spec``'s tables for a reprocess from ``start`` (µs), under the pipeline's lease; record it."""
+    name = spec.name
+    lease = Lease.acquire(settings, name, owner=f"rewind/{name}", ttl_s=HOLD_S, wait=True)
+    r = plan(tables, spec, start)
+    if r.noop:
+        lease.release()
+        return r
+    txn = Txn(app_id=rewind_app(name), version=epoch(tables, name) + 1)
+    for table, version in r.targets.items():
+        lease.check()
+        t = tables.table(name, table)
+        if table == "batches":
+            t.clear(None if r.to_batch is None else f"batch > {r.to_batch}", txn=txn)
+        elif version is None:
+            t.clear(txn=txn)
+        else:
+            t.restore(version, txn=txn)
+    redo = (r.last_time - (r.to_time or start)) // spec.batch_interval + 1
+    deadline = datetime.now(UTC).timestamp() + redo * settings.airflow_task_timeout_s
+    detail = {"from": iso(start), "to_batch": r.to_batch, "to_time": iso(r.to_time) if r.to_time else None,
+              "last_batch": r.last_batch, "last_time": iso(r.last_time), "epoch": txn.version, "tables": r.targets,
+              "deadline": iso(int(deadline * 1_000_000))}
+    row = pa.Table.from_pylist([{"at": datetime.now(UTC), "operation": "reprocess", "by": by,
+                                 "detail": json.dumps(detail, sort_keys=True)}], schema=OPERATIONS_SCHEMA)
+    tables.append(name, "operations", row, txn=txn)
+    lease.release()
+    return r
+
+
+def catching_up(tables: Tables, pipeline: str, processing_time: int) -> str:
+    """Why a live batch at ``processing_time`` must wait ('' if it need not): a reprocess is redoing the
+    batches up to where the pipeline was, and a live batch now would take the files of the intervals still to
+    redo in one batch. Bounded: after the reprocess's deadline (its batches × the task timeout) live batches
+    run again, whatever became of it."""
+    if not tables.exists(pipeline, "operations"):
+        return ""
+    ops = tables.read_arrow(pipeline, "operations", schema=OPERATIONS_SCHEMA).sort_by("at").to_pylist()
+    last_op = json.loads(ops[-1]["detail"] or "{}") if ops else {}
+    if not last_op.get("deadline"):
+        return ""
+    until, deadline = to_us(last_op["last_time"]), to_us(last_op["deadline"])
+    done = tables.read_arrow(pipeline, "batches", schema=BATCHES_SCHEMA, columns=["processing_time"])
+    reached = max((to_us(t) for t in done.column("processing_time").to_pylist()), default=0)
+    if reached >= until or processing_time <= until or to_us(datetime.now(UTC)) > deadline:
+        return ""
+    return (f"a reprocess of {pipeline} is redoing its batches up to {iso(until)} (at {iso(reached)} now, until "
+            f"{iso(deadline)} at the latest): this live run leaves its files to the first live run after it")
