@@ -74,3 +74,25 @@ def test_nothing_reads_millpond_variables_at_import_time() -> None:
                     "environ" in ast.unparse(node):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("timeout", ["5s", "2m"])
+def test_object_store_timeout_bounds_every_client_with_its_retries(tmp_path: Path, timeout: str) -> None:
+    """One setting bounds a store call of each client, attempts x per-attempt wait (backoff fits in the rest)."""
+    from millpond.lake.delta_options import storage_options
+    from millpond.lake.lease import s3_client
+    from millpond.lake.objectstore import client
+    from millpond.lake.waits import ATTEMPTS, StoreWait
+
+    s = load_settings(env={"MILLPOND_S3_TIMEOUT": timeout})
+    total = s.store_timeout_s
+    wait = StoreWait.of(s)
+    assert ATTEMPTS * (wait.connect + wait.read) <= 0.9 * total + 1e-9 and wait.connect <= 3
+    http = client(s)._http
+    assert http.connection_pool_kw["timeout"].read_timeout == pytest.approx(wait.read)
+    assert http.connection_pool_kw["retries"].total + 1 == ATTEMPTS
+    opts = storage_options(s)
+    assert float(opts["timeout"].rstrip("s")) * (int(opts["max_retries"]) + 1) <= 0.9 * total + 1e-3
+    config = s3_client(s).meta.config
+    assert config.read_timeout + config.connect_timeout == pytest.approx(wait.attempt)
+    assert config.retries["total_max_attempts"] == ATTEMPTS

@@ -96,7 +96,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("s3_secret_key", "object_store.secret_key", "MILLPOND_S3_SECRET_KEY", _str,
            "millpond-dev-secret-change-me", "S3 secret key (AWS_SECRET_ACCESS_KEY is honoured too)", local_dev=True),
     Option("store_timeout_s", "object_store.timeout", "MILLPOND_S3_TIMEOUT", _seconds, 120.0,
-           "longest wait for one object-store call before the batch fails naming the store"),
+           "longest wait for one object-store call, retries included: a store that stops answering fails "
+           "the batch in about this long, in one line naming it"),
     Option("bucket_landing", "buckets.landing", "MILLPOND_BUCKET_LANDING", _str, "landing",
            "bucket the injectors land event files in"),
     Option("bucket_lake", "buckets.lake", "MILLPOND_BUCKET_LAKE", _str, "lake", "bucket of the Delta tables"),

@@ -12,7 +12,8 @@ import pyarrow.compute as pc
 from deltalake import ColumnProperties, CommitProperties, Transaction, WriterProperties
 
 from millpond.config import Settings
-from millpond.errors import MillpondError
+from millpond.errors import MillpondError, StoreUnreachable
+from millpond.lake.waits import ATTEMPTS, StoreWait, not_answering, timed_out
 
 #: Checkpoint every 10 commits: opening a table replays at most 10 JSON commits, however long its history.
 TABLE_CONFIG = {"delta.checkpointInterval": "10"}
@@ -27,6 +28,9 @@ class Txn:
 
 
 def storage_options(settings: Settings) -> dict[str, str]:
+    """delta-rs's options: the store, and waits bounded by ``object_store.timeout`` (``lake.waits``):
+    ``timeout`` is one request's whole time, ``retry_timeout`` stops retrying once that much has passed."""
+    wait = StoreWait.of(settings)
     return {
         "AWS_ENDPOINT_URL": settings.s3_endpoint,
         "AWS_ACCESS_KEY_ID": settings.s3_access_key,
@@ -35,8 +39,10 @@ def storage_options(settings: Settings) -> dict[str, str]:
         "AWS_ALLOW_HTTP": "true" if settings.s3_endpoint.startswith("http://") else "false",
         "AWS_S3_ALLOW_UNSAFE_RENAME": "false",
         "conditional_put": "etag",
-        "timeout": "30s",
-        "connect_timeout": "3s",
+        "timeout": f"{wait.attempt:.3f}s",
+        "connect_timeout": f"{wait.connect:.3f}s",
+        "max_retries": str(ATTEMPTS - 1),
+        "retry_timeout": f"{wait.attempt:.3f}s",
     }
 
 
@@ -71,12 +77,16 @@ def _endpoint_down(endpoint: str | None) -> bool:
         return True
 
 
-def _wrap(exc: Exception, uri: str, endpoint: str | None = None) -> MillpondError:
+def _wrap(exc: Exception, uri: str, settings: Settings | None = None) -> MillpondError:
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     lowered = text.lower()
+    endpoint = settings.s3_endpoint if settings is not None else None
+    if settings is not None and timed_out(exc):
+        return not_answering(settings, uri)
     if ("connect" in lowered or "dns" in lowered or "timed out" in lowered or "error sending request" in lowered
             or ("generic s3 error" in lowered and _endpoint_down(endpoint))):
-        return MillpondError(f"object store unreachable while accessing {uri}: start it with `make up` ({text[:160]})")
+        return StoreUnreachable(f"object store unreachable at {endpoint or 'its endpoint'} while accessing {uri}: "
+                                f"start it with `make up` ({text[:160]})")
     if "invalidaccesskeyid" in lowered or "signaturedoesnotmatch" in lowered or "403" in lowered:
         return MillpondError(f"object store refused the credentials for {uri}: check MILLPOND_S3_ACCESS_KEY/SECRET_KEY")
     if "concurrent" in lowered or "conflict" in lowered or "version already exists" in lowered:

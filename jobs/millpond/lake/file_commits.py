@@ -39,7 +39,7 @@ def commit_files(tables: Tables, pipeline: str, name: str, manifest_key: str, sc
         dt.create_write_transaction([*adds, *gone], "append", schema, list(partition_by) if partition_by else None,
                                     commit_properties=_commit(txn))
     except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
-        raise _wrap(exc, tables.uri(pipeline, name), tables.settings.s3_endpoint) from exc
+        raise _wrap(exc, tables.uri(pipeline, name), tables.settings) from exc
     tables.open(pipeline, name)  # moves this process's snapshot forward (the marker reads its version)
     return True
 

@@ -30,6 +30,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from millpond.config import Settings
 from millpond.errors import LeaseLost, MillpondError, StoreUnreachable
+from millpond.lake.waits import ATTEMPTS, StoreWait, not_answering, timed_out
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +38,17 @@ log = logging.getLogger(__name__)
 PROCESS_OWNER = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-_CLIENTS: dict[tuple[str, str, str, str], object] = {}
+#: longest wait for the release of a lease (best effort: an unreleased lease lapses after its TTL)
+RELEASE_WAIT_S = 5.0
+
+_CLIENTS: dict[tuple[str, str, str, str, float], object] = {}
 
 
 def s3_client(settings: Settings):
     """One client per endpoint and credentials: creating a boto3 client costs ~10 ms, and a batch
     checks the lease before each of its commits."""
-    ident = (settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key, settings.s3_region)
+    ident = (settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key, settings.s3_region,
+             settings.store_timeout_s)
     client = _CLIENTS.get(ident)
     if client is None:
         client = _CLIENTS[ident] = _new_client(settings)
@@ -51,13 +56,15 @@ def s3_client(settings: Settings):
 
 
 def _new_client(settings: Settings):
+    wait = StoreWait.of(settings)  # one call, retries included, within object_store.timeout
     return boto3.client(
         "s3",
         endpoint_url=settings.s3_endpoint,
         aws_access_key_id=settings.s3_access_key,
         aws_secret_access_key=settings.s3_secret_key,
         region_name=settings.s3_region,
-        config=Config(connect_timeout=3, read_timeout=30, retries={"max_attempts": 2}),
+        config=Config(connect_timeout=wait.connect, read_timeout=wait.read,
+                      retries={"total_max_attempts": ATTEMPTS, "mode": "standard"}),
     )
 
 
@@ -119,7 +126,7 @@ class Lease:
                                 "this run stops without writing") from exc
             raise MillpondError(f"lease for {pipeline}: {exc}") from exc
         except BotoCoreError as exc:
-            raise StoreUnreachable(f"object store unreachable at {settings.s3_endpoint} (lease): {exc}") from exc
+            raise _unreachable(settings, exc) from exc
         return cls(settings, pipeline, owner, token, resp["ETag"], ttl_s)
 
     def check(self) -> None:
@@ -153,8 +160,7 @@ class Lease:
                 self.etag = etag
                 continue
             except BotoCoreError as exc:
-                raise StoreUnreachable(
-                    f"object store unreachable at {self.settings.s3_endpoint} (lease): {exc}") from exc
+                raise _unreachable(self.settings, exc) from exc
             self.etag = resp["ETag"]
             return
 
@@ -165,8 +171,10 @@ class Lease:
     def release(self) -> None:
         """Expire the lease now so the next run need not wait (only if still ours)."""
         body = json.dumps({"owner": self.owner, "token": self.token, "expires": 0, "released": time.time()})
+        # Briefly: after a failure the store may be the reason, and the batch's error is waiting to be told.
+        quick = self.settings.with_overrides(store_timeout_s=min(self.settings.store_timeout_s, RELEASE_WAIT_S))
         try:
-            s3_client(self.settings).put_object(Bucket=self.settings.bucket_lake, Key=self.key,
+            s3_client(quick).put_object(Bucket=self.settings.bucket_lake, Key=self.key,
                                                 Body=body.encode(), IfMatch=self.etag)
         except (ClientError, BotoCoreError):
             pass  # lost meanwhile, or the store is gone: the lease expires on its own
@@ -205,7 +213,7 @@ class LeaseKeeper:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=StoreWait.of(self.lease.settings).total + 1)  # a renewal in flight ends by then
 
 
 def lease_key(settings: Settings, pipeline: str) -> str:
@@ -220,5 +228,14 @@ def _read(client, settings: Settings, key: str) -> tuple[dict | None, str | None
             return None, None
         raise MillpondError(f"lease {key}: {exc}") from exc
     except BotoCoreError as exc:
-        raise StoreUnreachable(f"object store unreachable at {settings.s3_endpoint} (lease): {exc}") from exc
-    return json.loads(resp["Body"].read()), resp["ETag"]
+        raise _unreachable(settings, exc) from exc
+    try:
+        return json.loads(resp["Body"].read()), resp["ETag"]
+    except (BotoCoreError, OSError) as exc:  # the body arrives after the call: a wait of its own
+        raise _unreachable(settings, exc) from exc
+
+
+def _unreachable(settings: Settings, exc: Exception) -> StoreUnreachable:
+    if timed_out(exc):
+        return not_answering(settings, "the pipeline's lease")
+    return StoreUnreachable(f"object store unreachable at {settings.s3_endpoint} (lease): {exc}")

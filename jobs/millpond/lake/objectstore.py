@@ -17,6 +17,7 @@ from minio.error import S3Error
 
 from millpond.config import Settings
 from millpond.errors import BadCredentials, BucketMissing, MillpondError, ObjectMissing, StoreUnreachable
+from millpond.lake.waits import ATTEMPTS, StoreWait, not_answering, timed_out
 
 _BAD_KEYS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken"}
 
@@ -32,11 +33,13 @@ class StoredObject:
 
 def client(settings: Settings) -> Minio:
     url = urlparse(settings.s3_endpoint)
-    # Fail fast: a stopped store must give a clear error in seconds, not after minutes of retries.
+    # Fail fast: a stopped store refuses in seconds, a frozen one fails the call within object_store.timeout
+    # (attempts x per-attempt timeout, see ``lake.waits``), never after minutes of retries.
+    wait = StoreWait.of(settings)
     http = urllib3.PoolManager(
         maxsize=16,  # a batch reads its files on 8 threads beside other requests: keep their connections
-        timeout=urllib3.Timeout(connect=3, read=60),
-        retries=urllib3.Retry(total=2, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
+        timeout=urllib3.Timeout(connect=wait.connect, read=wait.read),
+        retries=urllib3.Retry(total=ATTEMPTS - 1, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
     )
     return Minio(
         url.netloc,
@@ -67,6 +70,8 @@ def translate(exc: BaseException, settings: Settings, bucket: str | None = None)
             return ObjectMissing(f"object {exc.bucket_name}/{exc.object_name} does not exist at {settings.s3_endpoint}")
         return MillpondError(f"object store error {exc.code}: {exc.message}")
     if isinstance(exc, (urllib3.exceptions.HTTPError, OSError)):
+        if timed_out(exc):
+            return not_answering(settings, f"bucket {bucket}" if bucket else "")
         return StoreUnreachable(
             f"object store unreachable at {settings.s3_endpoint}: start it with `make up` "
             "or set MILLPOND_S3_ENDPOINT"
@@ -122,7 +127,7 @@ class ObjectStore:
     def get_bytes(self, bucket: str, key: str) -> bytes:
         resp = self._call(self.mc.get_object, bucket, key, bucket=bucket)
         try:
-            return resp.read()
+            return self._call(resp.read, bucket=bucket)  # the body arrives after the call: a wait of its own
         finally:
             resp.close()
             resp.release_conn()

@@ -34,6 +34,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from millpond.config import Settings
+from millpond.lake.waits import s3_filesystem
 
 LANDING_FORMAT, FILES_FORMAT = "millpond_landing", "millpond_files"
 
@@ -41,16 +42,12 @@ LANDING_FORMAT, FILES_FORMAT = "millpond_landing", "millpond_files"
 def store_options(settings: Settings) -> dict[str, str]:
     """What an executor needs to reach the object store (``accessKey``/``secretKey``: names Spark redacts)."""
     return {"endpoint": settings.s3_endpoint, "region": settings.s3_region, "accessKey": settings.s3_access_key,
-            "secretKey": settings.s3_secret_key}
+            "secretKey": settings.s3_secret_key, "storeTimeout": str(settings.store_timeout_s)}
 
 
 def _filesystem(options: dict[str, str]):
-    from pyarrow import fs
-
-    endpoint = urlparse(options["endpoint"])
-    return fs.S3FileSystem(access_key=options["accesskey"], secret_key=options["secretkey"], region=options["region"],
-                           endpoint_override=endpoint.netloc, scheme=endpoint.scheme or "https",
-                           connect_timeout=3, request_timeout=60)
+    return s3_filesystem(options["endpoint"], options["accesskey"], options["secretkey"], options["region"],
+                         float(options.get("storetimeout", "120")))
 
 
 def landing_schema(value_type: str) -> pa.Schema:

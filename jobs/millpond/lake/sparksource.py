@@ -22,6 +22,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import StructType
 
 from millpond.config import Settings
+from millpond.lake.waits import s3_filesystem
 
 FORMAT = "millpond"
 _BATCH_ROWS = 65_536
@@ -137,6 +138,7 @@ class MillpondReader(DataSourceReader):
         self.storage = {
             "endpoint": settings.s3_endpoint, "region": settings.s3_region,
             "access_key": settings.s3_access_key, "secret_key": settings.s3_secret_key,
+            "timeout": settings.store_timeout_s,
         }
 
     def partitions(self) -> list[InputPartition]:
@@ -149,12 +151,8 @@ class MillpondReader(DataSourceReader):
 
         parsed = urlparse(uri)
         if parsed.scheme in ("s3", "s3a"):
-            endpoint = urlparse(self.storage["endpoint"])
-            filesystem = fs.S3FileSystem(
-                access_key=self.storage["access_key"], secret_key=self.storage["secret_key"],
-                region=self.storage["region"], endpoint_override=endpoint.netloc or self.storage["endpoint"],
-                scheme=endpoint.scheme or "https", connect_timeout=3, request_timeout=60,
-            )
+            filesystem = s3_filesystem(self.storage["endpoint"], self.storage["access_key"],
+                                       self.storage["secret_key"], self.storage["region"], self.storage["timeout"])
             return filesystem, f"{parsed.netloc}{parsed.path}"
         if parsed.scheme == "file":
             return fs.LocalFileSystem(), parsed.path

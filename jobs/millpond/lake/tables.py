@@ -107,7 +107,7 @@ class Tables:
         except TableNotFoundError:
             return None
         except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+            raise _wrap(exc, uri, self.settings) from exc
         if isinstance(version, str):
             dt.load_as_version(version)
         if version is None:
@@ -134,7 +134,7 @@ class Tables:
                     pinned.dt.load_as_version(version)
                 except Exception as exc:  # noqa: BLE001
                     pinned.dt = None
-                    raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+                    raise _wrap(exc, uri, self.settings) from exc
             yield pinned.dt
 
     def exists(self, pipeline: str, name: str) -> bool:
@@ -156,7 +156,7 @@ class Tables:
                 storage_options=self.options, name=f"{pipeline}.{name}", configuration=_table_config(stats_columns),
             )
         except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+            raise _wrap(exc, uri, self.settings) from exc
         self._latest[uri] = dt
         return dt
 
@@ -180,7 +180,7 @@ class Tables:
             try:
                 return dt.to_pyarrow_dataset().to_table(filter=filters, columns=columns)
             except Exception as exc:  # noqa: BLE001
-                raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
+                raise _wrap(exc, self.uri(pipeline, name), self.settings) from exc
 
     def read_whole(self, pipeline: str, name: str, schema: pa.Schema) -> pa.Table:
         """Every row of a small, unpartitioned table at its latest version, reading only the data files
@@ -209,7 +209,7 @@ class Tables:
                     files[fragment.path] = fragment.to_table(schema=dataset.schema) if rows is None else rows
                 kept.files = files
         except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+            raise _wrap(exc, uri, self.settings) from exc
         return pa.concat_tables(files.values()) if files else dataset.schema.empty_table()
 
     def select(
@@ -238,7 +238,7 @@ class Tables:
                 reader = QueryBuilder().register("t", dt).execute(sql)
                 table = pa.RecordBatchReader.from_stream(reader).read_all()
             except Exception as exc:  # noqa: BLE001
-                raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
+                raise _wrap(exc, self.uri(pipeline, name), self.settings) from exc
         return plain_strings(table)
 
     def read_spark(self, spark, pipeline: str, name: str, **kwargs):
@@ -290,7 +290,7 @@ class Tables:
                 write_deltalake(dt, data, mode=mode, commit_properties=_commit(txn), schema_mode=_evolves(dt, data),
                                 post_commithook_properties=self._hooks, writer_properties=_writer_properties(unique))
         except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+            raise _wrap(exc, uri, self.settings) from exc
         return True
 
     def merge(
@@ -325,7 +325,7 @@ class Tables:
                                 configuration=_table_config(stats_columns),
                                 commit_properties=_commit(txn), post_commithook_properties=self._hooks)
             except Exception as exc:  # noqa: BLE001
-                raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+                raise _wrap(exc, uri, self.settings) from exc
             self._created.add(uri)
             return {"num_source_rows": source.num_rows, "num_target_rows_inserted": kept.num_rows,
                     "num_target_rows_updated": 0, "num_target_rows_deleted": 0, "created": True}
@@ -345,7 +345,7 @@ class Tables:
                 merger = merger.when_matched_update_all().when_not_matched_insert_all()
             return merger.execute()
         except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, uri, self.settings.s3_endpoint) from exc
+            raise _wrap(exc, uri, self.settings) from exc
 
     def known_version(self, pipeline: str, name: str) -> int | None:
         """The version of this process's latest snapshot, without asking the store: exact for a table
@@ -369,11 +369,11 @@ class Tables:
         dt = self._snapshot(pipeline, name)
         if dt is None or len(dt.file_uris()) <= over_files:
             return False
-        dt.update_incremental()
         try:
+            dt.update_incremental()
             metrics = dt.optimize.compact(target_size=target_size, post_commithook_properties=self._hooks)
         except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
+            raise _wrap(exc, self.uri(pipeline, name), self.settings) from exc
         return bool(metrics.get("numFilesRemoved"))  # False: every small file stood alone in its bin
 
     def replace(self, pipeline: str, name: str, rows: pa.Table, added: pa.Table, base_version: int,
@@ -391,7 +391,7 @@ class Tables:
             write_deltalake(dt, rows, mode="overwrite", commit_properties=_commit(txn),
                             post_commithook_properties=self._hooks, writer_properties=_writer_properties(unique))
         except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
+            raise _wrap(exc, self.uri(pipeline, name), self.settings) from exc
         return True
 
     def file_count(self, pipeline: str, name: str, version: int) -> int:
@@ -410,7 +410,7 @@ class Tables:
         try:
             dt.create_checkpoint()
         except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
+            raise _wrap(exc, self.uri(pipeline, name), self.settings) from exc
         return True
 
     def delete(self, pipeline: str, name: str, predicate: str, txn: Txn | None = None) -> bool:
@@ -420,7 +420,7 @@ class Tables:
         try:
             dt.delete(predicate, commit_properties=_commit(txn), post_commithook_properties=self._hooks)
         except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, self.uri(pipeline, name), self.settings.s3_endpoint) from exc
+            raise _wrap(exc, self.uri(pipeline, name), self.settings) from exc
         return True
 
 

@@ -329,6 +329,9 @@ class AirflowStack:
             detail = exc.read().decode(errors="replace")[:300]
             raise MillpondError(f"Airflow API {method} {path} answered {exc.code}: {detail}") from exc
         except (urllib.error.URLError, OSError) as exc:
+            if isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
+                raise MillpondError(f"Airflow API at {self.url} did not answer {method} {path} within {timeout:.0f}s: "
+                                    "check it (`make status`), then retry") from exc
             raise MillpondError(f"Airflow API unreachable at {self.url}: start it with `make up` ({exc})") from exc
         return json.loads(raw) if raw else None
 

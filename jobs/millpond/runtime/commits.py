@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from millpond.lake.tables import Tables
+from millpond.runtime import progress
 
 
 def crash_point(step: str, batch: int) -> None:
@@ -27,15 +28,25 @@ def crash_point(step: str, batch: int) -> None:
 
 
 class PhaseTimer:
-    """Seconds per named phase of a batch (summed when a phase recurs), for the marker and the task log."""
+    """Seconds per named phase of a batch (summed when a phase recurs), for the marker and the task log,
+    where each phase's start and end is logged as it happens (``runtime.progress``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, label: str = "") -> None:
+        #: the pipeline and batch, for the log
+        self.label = label
         self.phases: dict[str, float] = {}
         self._t = time.perf_counter()
 
-    def lap(self, name: str) -> None:
+    def begin(self, name: str, **counts: object) -> None:
+        """Log that phase ``name`` starts (what it works on in ``counts``)."""
+        progress.begin(self.label, name, **counts)
+
+    def lap(self, name: str, quiet: bool = False, **counts: object) -> None:
+        """Phase ``name`` ends now (it began at the previous lap); ``quiet``: a part of it, not logged."""
         now = time.perf_counter()
         self.phases[name] = self.phases.get(name, 0.0) + now - self._t
+        if not quiet:
+            progress.done(self.label, name, self.phases[name], **counts)  # a recurring phase: its total
         self._t = now
 
 

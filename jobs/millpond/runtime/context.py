@@ -21,6 +21,8 @@ class BatchContext(Protocol):
     spec: PipelineSpec
     strategy: Strategy
     name: str
+    #: the pipeline and batch, as the task log names them
+    label: str
     spark: object
     validate: bool
     tables: Tables

@@ -84,6 +84,8 @@ class MicroBatch:
         self.owner = owner
         self.quality = None
         self.name = spec.name
+        #: the pipeline and batch, as the task log names them (``runtime.progress``)
+        self.label = spec.name
         self.strategy = spec.strategy()
         self.tables = Tables(settings, auto_checkpoint=False)
         self.store = ObjectStore(settings)
@@ -123,39 +125,47 @@ class MicroBatch:
                 except Exception as exc:  # a bug, or input no rule covers: one line, the way forward
                     raise batch_failed(self.name, getattr(self, "batch", None), to_us(processing_time), exc) from exc
         finally:
-            self.background.shutdown(wait=True)  # no commit left running behind an error or the lease
+            # No commit left running behind an error or the lease; a step not yet started is dropped. Every
+            # call these threads make is bounded (object_store.timeout), so this wait is too.
+            self.background.shutdown(wait=True, cancel_futures=True)
             self.lease.release()
 
     def _run(self, P: int, explicit_watermark: datetime | int | str | None) -> BatchResult:
-        t = PhaseTimer()
+        t = PhaseTimer(self.label)
+        t.begin("plan", at=to_datetime(P).isoformat())
         found = plan.read_history(self)
         prev, skip = plan.previous_batch(found["done"], P)
         if skip:
+            t.lap("plan", nothing_to_do=skip)
             return BatchResult(self.name, prev["batch"], to_datetime(P), prev["watermark"], skipped=True, reason=skip)
         versions.check_spec(self, prev)  # a changed spec stops here, before anything is written
         self.epoch = rewind.epoch(self.tables, self.name)  # batch numbers restart after a rewind: new txn ids
         batch = self.batch = self.commits.batch = (prev["batch"] if prev else 0) + 1
+        t.label = self.label = f"{self.name} batch {batch}"
         txn = self.txn(batch)
         w_in = to_us(prev["watermark"]) if prev else MIN_TS
         the_plan = plan.plan_batch(self, batch, txn, found, prev, P)
         plan.start_upkeep(self, batch)
-        t.lap("plan")
+        t.lap("plan", files=len(the_plan["files"]), held=len(the_plan["held"]) or None,
+              skipped=len(the_plan["skipped"]) or None)
         if self._on_spark(found["landing"], the_plan):
             from millpond.runtime.engines import spark_batch  # pyspark is imported by Spark batches only
 
+            t.begin("ingest", files=len(the_plan["files"]), engine="spark")
             counts, clock, max_et = spark_batch.run_on_spark(self, txn, the_plan, prev, w_in, P, explicit_watermark, t)
             counts["skipped"] = len(the_plan["skipped"])
             self._finish(txn, clock, max_et, counts, t)
             return BatchResult(self.name, batch, to_datetime(P), to_datetime(clock.watermark), counts, t.phases)
+        t.begin("ingest", files=len(the_plan["files"]))
         good, bad = read.read_files(self, the_plan, P)
-        t.lap("ingest")
+        t.lap("ingest", elements=good.num_rows, quarantined=len(bad))
         seen_version = the_plan["versions"].get("seen_ids")
         accepted, kept = dedup.dedup(self, good, seen_version, w_in)
         duplicates = good.num_rows - accepted.num_rows
         del good
-        t.lap("dedup")
+        t.lap("dedup", accepted=accepted.num_rows, duplicates=duplicates)
         clock, max_et = watermark.advance_watermark(self, batch, P, w_in, prev, accepted, the_plan, explicit_watermark)
-        t.lap("watermark")
+        t.lap("watermark", watermark=to_datetime(clock.watermark).isoformat())
         self.commits.defer()
         outputs = self.process(batch, txn, clock, accepted, the_plan, t)
         commit.commit_inputs(self, batch, txn, bad, accepted, kept, seen_version)
@@ -175,23 +185,26 @@ class MicroBatch:
     def _finish(self, txn: Txn, clock: BatchClock, max_et: int | None, counts: dict[str, Any], t: PhaseTimer) -> None:
         """The deferred commits (after the plan's commit and the upkeep step have landed), then the marker."""
         self.commits.plan_landed()
-        t.lap("commit")
+        t.lap("commit", quiet=True)
         self.commits.upkeep_landed()
         t.lap("maintain")  # what the batch waited for its upkeep step
+        t.begin("commit", tables=len({table for _, table, _ in self.commits.deferred or ()}))
         probed = self.commits.flush(self.output_tables)
-        t.lap("commit")
+        t.lap("commit", quiet=True)
         commit.commit_marker(self, txn, clock, max_et, counts, t, probed)
-        t.lap("commit")
+        t.lap("commit", input=counts.get("input"), panes=counts.get("panes"))
 
     def process(self, batch: int, txn: Txn, clock: BatchClock, accepted: pa.Table, plan: dict[str, Any],
                 t: PhaseTimer) -> dict[str, int]:
         """Windows, triggers and panes for the batch's elements (a table of EVENT_COLUMNS), validated, then
         committed (a MillWheel computation replaces this step, see ``runtime.computation``). Returns counts
         for the marker."""
+        t.begin("windowing", elements=accepted.num_rows)
         out, state_rows = compute.compute(self, batch, clock, accepted, plan)
-        t.lap("windowing")
-        t.lap("assemble")
+        t.lap("windowing", state_rows_read=state_rows)
+        t.lap("assemble", quiet=True)
         if self.validate:
+            t.begin("validation")
             validate.validate(self, batch, clock, accepted, out.panes, out.state)
             t.lap("validation")
         counts = commit.commit_outputs(self, txn, out)

@@ -13,6 +13,7 @@ import pyarrow as pa
 
 from millpond.errors import ObjectMissing
 from millpond.lake.landing import event_schema, missing_file, parse_file_table
+from millpond.runtime import progress
 
 if TYPE_CHECKING:
     from millpond.runtime.context import BatchContext
@@ -42,11 +43,18 @@ def read_files(job: BatchContext, plan: dict[str, Any], processing_time: int) ->
 
     parts: dict[str, pa.Table] = {}
     bad: list[tuple] = held_rows(plan)
-    with ThreadPoolExecutor(max_workers=8) as pool:
+    tick = progress.counter(job.label, "ingest", len(plan["files"]), "files")
+    pool = ThreadPoolExecutor(max_workers=8)
+    try:
         for key, (g, b) in zip(plan["files"], pool.map(one, zip(plan["files"], plan["arrivals"], strict=True)),
                                strict=True):
             parts[key] = g
             bad += b
+            tick(g.num_rows + len(b))
+    finally:
+        # On a failure (a store that stopped answering), files not yet started are dropped, not each waited
+        # for in turn: the batch fails within one store wait.
+        pool.shutdown(wait=True, cancel_futures=True)
     if not parts:
         return event_schema(job.spec.value_type).empty_table(), bad
     return pa.concat_tables([parts[k] for k in sorted(parts)]), bad

@@ -1,0 +1,127 @@
+"""A frozen object store fails the batch within ``object_store.timeout``, in one line naming the store, and
+leaves no thread behind; once the store answers again, the rerun converges to an uninterrupted run's tables.
+
+The store is a SeaweedFS server of the test's own, paused with SIGSTOP (it keeps accepting connections and
+answers nothing: the case a timeout on connecting does not catch) at the moment the batch's progress log
+says a step started. Also: the progress log names each step of a batch as it starts and ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from conftest import free_store_env
+from millpond.config import load_settings
+from millpond.errors import StoreUnreachable
+from millpond.lake.schemas import OUTPUT_TABLES
+from millpond.lake.tables import Tables
+from millpond.orchestration.processes import read_pid
+from millpond.orchestration.store import EmbeddedStore
+from millpond.surface.replay import load_scenario_pipeline, read_events, replay
+
+pytestmark = pytest.mark.slow
+
+SCENARIO = Path(__file__).parent / "scenarios"
+PIPELINE, EVENTS = SCENARIO / "exactly_once.yaml", SCENARIO / "exactly_once.jsonl"
+TIMEOUT_S = 5.0
+#: a frozen store's batch fails in about one store wait, plus the lease's brief release and a noisy machine
+BOUND_S = 4 * TIMEOUT_S + 20
+
+
+def snapshot(tables: Tables, pipeline: str) -> dict[str, list]:
+    """Every table's rows, order-free, without timings."""
+    out = {}
+    for name in (*OUTPUT_TABLES, "batches"):
+        t = tables.read_arrow(pipeline, name, schema=pa.schema([]))
+        t = t.drop(["phases"]) if "phases" in t.column_names else t
+        out[name] = sorted(repr(sorted(r.items())).replace(pipeline, "<pipeline>") for r in t.to_pylist())
+    return out
+
+
+class Freezer(logging.Handler):
+    """Pauses the store (SIGSTOP to its process group) when the batch logs ``trigger``; keeps every line."""
+
+    def __init__(self, pid: int, trigger: str) -> None:
+        super().__init__(logging.INFO)
+        self.pid, self.trigger = pid, trigger
+        self.frozen_at: float | None = None
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()
+        self.lines.append(line)
+        if self.frozen_at is None and self.trigger in line:
+            os.killpg(self.pid, signal.SIGSTOP)
+            self.frozen_at = time.monotonic()
+
+    def thaw(self) -> None:
+        os.killpg(self.pid, signal.SIGCONT)
+
+
+@pytest.fixture(scope="module")
+def frozen_env(tmp_path_factory):
+    """Settings with a short store wait, on a store of the module's own (the suite's must not freeze)."""
+    home = tmp_path_factory.mktemp("bounded")
+    s = load_settings(env={**os.environ, **free_store_env(home), "MILLPOND_S3_TIMEOUT": f"{TIMEOUT_S:.0f}s",
+                           "MILLPOND_ENGINE": "local", "MILLPOND_DRIVER_WORKERS": "0"})
+    store = EmbeddedStore(s)
+    store.start()
+    try:
+        yield s, store
+    finally:
+        pid = read_pid(store.pidfile)
+        if pid is not None:
+            os.killpg(pid, signal.SIGCONT)  # never stop a paused server: it could not exit
+        store.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(frozen_env) -> dict[str, list]:
+    s, _ = frozen_env
+    replay(s, load_scenario_pipeline(PIPELINE, "bw_reference"), read_events(EVENTS))
+    return snapshot(Tables(s), "bw_reference")
+
+
+@pytest.mark.parametrize("step", ["ingest", "commit"])
+def test_a_frozen_store_fails_the_batch_in_time_and_the_rerun_converges(frozen_env, reference, step) -> None:
+    s, store = frozen_env
+    name = f"bw_{step}"
+    spec, events = load_scenario_pipeline(PIPELINE, name), read_events(EVENTS)
+    freezer = Freezer(read_pid(store.pidfile), f"{name} batch 3: {step} started")
+    logger = logging.getLogger("millpond.batch")
+    level, threads = logger.level, {t.ident for t in threading.enumerate()}
+    logger.setLevel(logging.INFO)
+    logger.addHandler(freezer)
+    try:
+        with pytest.raises(StoreUnreachable) as failed:
+            replay(s, spec, events)
+        took = time.monotonic() - freezer.frozen_at
+        # Every thread the batch started has ended (they wait on the store no longer than it does).
+        deadline = time.monotonic() + TIMEOUT_S
+        while {t.ident for t in threading.enumerate()} - threads and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [t.name for t in threading.enumerate() if t.ident not in threads]
+    finally:
+        freezer.thaw()
+        logger.removeHandler(freezer)
+        logger.setLevel(level)
+    message = str(failed.value)
+    assert took < BOUND_S, f"the batch failed {took:.1f}s after the store froze: {message}"
+    assert "\n" not in message and s.s3_endpoint in message and f"within {TIMEOUT_S:.0f}s" in message, message
+    assert "make status" in message and "object_store.timeout" in message, message
+    assert not left, f"threads still running after the batch failed: {left}"
+    # The task log said where the batch was: each step's start and end, up to the one the store froze in.
+    batch3 = [line.split(": ", 1)[1] for line in freezer.lines if line.startswith(f"{name} batch 3: ")]
+    assert batch3[0].startswith("plan done") and any(line.startswith("ingest done") for line in batch3) == (
+        step != "ingest"), batch3
+    assert batch3[-1].startswith(f"{step} "), batch3  # started, or how far it got
+
+    replay(s, spec, events)  # the store answers again: the same batch, from its committed plan or anew
+    assert snapshot(Tables(s), name) == reference
