@@ -100,6 +100,9 @@ def test_a_chain_and_a_fan_in_load(tmp_path: Path) -> None:
     specs = load_pipelines(write_conf(tmp_path, upstream_doc("a"), fixed, stage_doc("both", ["a", "b"]),
                                       stage_doc("total", "both")))
     assert specs["total"].upstream.pipelines == ("both",)
+    assert list(specs) == ["a", "b", "both", "total"]  # each after its upstreams
+    again = load_pipelines(write_conf(tmp_path / "renamed", upstream_doc("z"), stage_doc("m", "z")))
+    assert list(again) == ["z", "m"]
 
 
 # -- batches ----------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import yaml
 
 from millpond.config.settings import DEFAULT_CONF_DIR
 from millpond.model.spec import PipelineSpec, pipeline_from_dict
-from millpond.model.stages import check_graph
+from millpond.model.stages import check_graph, upstream_first
 from millpond.model.versions import semantic_spec
 
 
@@ -22,11 +22,13 @@ def load_pipeline(path: str | Path) -> PipelineSpec:
 
 
 def load_pipelines(conf_dir: Path | None = None) -> dict[str, PipelineSpec]:
+    """The pipelines by name, each after the upstreams it reads (``model.stages.upstream_first``)."""
     folder = (conf_dir or DEFAULT_CONF_DIR) / "pipelines"
     specs = [load_pipeline(p) for p in sorted(folder.glob("*.yaml"))]
     by_name = {s.name: s for s in specs}
     check_stages(by_name)
-    return by_name
+    return {n: by_name[n] for n in upstream_first({n: s.upstream.pipelines if s.upstream else ()
+                                                   for n, s in by_name.items()})}
 
 
 def check_stages(specs: dict[str, PipelineSpec]) -> None:

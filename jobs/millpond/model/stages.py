@@ -124,6 +124,23 @@ def graph_cycle(edges: Mapping[str, tuple[str, ...]]) -> list[str] | None:
     return None
 
 
+def upstream_first(edges: Mapping[str, tuple[str, ...]]) -> list[str]:
+    """The pipelines in an order where each comes after the upstreams it reads (an acyclic graph), else by
+    name: a run over all pipelines then feeds each stage what its upstreams committed in the same round."""
+    done: list[str] = []
+
+    def visit(node: str) -> None:
+        if node in done or node not in edges:
+            return
+        for nxt in sorted(edges[node]):
+            visit(nxt)
+        done.append(node)
+
+    for name in sorted(edges):
+        visit(name)
+    return done
+
+
 def check_graph(stages: Mapping[str, Upstream | None], specs: Mapping[str, Mapping[str, Any]],
                 value_types: Mapping[str, str]) -> None:
     """Every pipeline's upstreams exist and can be read, and no pipeline reads itself through its upstreams."""
