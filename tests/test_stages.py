@@ -229,10 +229,11 @@ def test_fan_in_over_accumulating_and_discarding_upstreams(settings, tables, pip
             assert stage_totals(tables, both) == {k: v for k, v in expected.items() if v}
         for name in (a, b):
             run_batch(settings, specs[name], to_datetime(p))
-        result = run_batch(settings, stage, to_datetime(p))
+        result = run_batch(settings, stage, to_datetime(p), validate=batch == 7)  # the DAGs validate
         assert stage_totals(tables, both) == totals_of(tables, [a, b]), batch
         marks = [tables.read_arrow(n, "batches").sort_by("batch").to_pylist()[-1]["watermark"] for n in (a, b)]
         assert result.watermark == min(marks) == marks[1]  # b's longer lag holds the stage back
+    assert result.quality is not None and result.quality.ok, result.quality.summary()
     panes = tables.read_arrow(a, "panes")
     assert max(panes.column("pane_index").to_pylist()) >= 1  # accumulating windows fired more than once
 
