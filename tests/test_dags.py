@@ -93,6 +93,20 @@ def test_each_pipeline_file_gets_a_dag_and_a_broken_one_is_skipped(conf_dir: Pat
     assert bag.dags["millpond_beta"].timetable.expression == "0 */1 * * *"
 
 
+def test_a_stage_reads_its_upstreams_panes_as_inlets(conf_dir: Path) -> None:
+    base = yaml.safe_load((DEFAULT_CONF_DIR / "pipelines" / "video_sessions.yaml").read_text())
+    (conf_dir / "pipelines" / "sessions.yaml").write_text(yaml.safe_dump({**base, "name": "sessions"}))
+    stage = {"name": "per_hour", "source": {"pipeline": "sessions", "key": "all", "event_time": "window_start"},
+             "window": {"type": "fixed", "size": "1h"}, "accumulation": "accumulating", "aggregation": "sum"}
+    (conf_dir / "pipelines" / "per_hour.yaml").write_text(yaml.safe_dump(stage))
+    bag = dagbag()
+    assert bag.import_errors == {}
+    settings = load_settings()
+    inlets = {a.uri for a in bag.dags["millpond_per_hour"].get_task("process_microbatch").inlets}
+    assert inlets == {f"s3://{settings.bucket_lake}/{settings.table_root}/sessions/panes"}
+    assert not bag.dags["millpond_sessions"].get_task("process_microbatch").inlets
+
+
 def test_live_runs_can_be_switched_off() -> None:
     scheduled = {"dag_run": SimpleNamespace(run_type="scheduled")}
     off = load_settings(env={"MILLPOND_AIRFLOW_SCHEDULED_RUNS": "false"})

@@ -94,4 +94,8 @@ def drop_pipeline(settings: Settings, pipeline: str) -> int:
 
     lease = Lease.acquire(settings, pipeline, owner=f"reset-{pipeline}")  # raises LeaseLost while a batch runs
     lease.release()
-    return ObjectStore(settings).delete_prefix(settings.bucket_lake, f"{settings.table_root.strip('/')}/{pipeline}/")
+    from millpond.lake.tables import forget_pipeline
+
+    deleted = ObjectStore(settings).delete_prefix(settings.bucket_lake, f"{settings.table_root.strip('/')}/{pipeline}/")
+    forget_pipeline(settings, pipeline)
+    return deleted

@@ -17,6 +17,10 @@ from millpond.lake.waits import ATTEMPTS, StoreWait, not_answering, timed_out
 
 #: Checkpoint every 10 commits: opening a table replays at most 10 JSON commits, however long its history.
 TABLE_CONFIG = {"delta.checkpointInterval": "10"}
+#: tables created with the Delta change feed enabled: a stage reads the rows each commit of its upstream's
+#: ``panes`` added (``Tables.read_added``); an append-only table writes no change files for it
+CHANGE_FEED_TABLES = ("panes",)
+CHANGE_FEED = {"delta.enableChangeDataFeed": "true"}
 
 
 @dataclass(frozen=True)
@@ -96,8 +100,8 @@ def _wrap(exc: Exception, uri: str, settings: Settings | None = None) -> Millpon
     return MillpondError(f"Delta operation on {uri} failed: {text[:300]}")
 
 
-def _table_config(stats_columns: Sequence[str] | None) -> dict[str, str]:
-    config = dict(TABLE_CONFIG)
+def _table_config(stats_columns: Sequence[str] | None, name: str = "") -> dict[str, str]:
+    config = dict(TABLE_CONFIG) | (CHANGE_FEED if name in CHANGE_FEED_TABLES else {})
     if stats_columns:
         config["delta.dataSkippingStatsColumns"] = ",".join(stats_columns)
     return config

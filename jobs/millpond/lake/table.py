@@ -81,5 +81,5 @@ class Table:
         try:
             dt.delete(where, commit_properties=_commit(txn))
         except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
-            raise _wrap(exc, self.uri, self.tables.settings.s3_endpoint) from exc
+            raise _wrap(exc, self.uri, self.tables.settings) from exc
         return self.version()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from deltalake import DeltaTable, PostCommitHookProperties, QueryBuilder, write_deltalake
 from deltalake.exceptions import TableNotFoundError
 
@@ -38,6 +39,16 @@ from millpond.lake.table import Table
 __all__ = ["TABLE_CONFIG", "Table", "Tables", "Txn", "plain_strings", "sql_in", "sql_str", "sql_ts", "storage_options"]
 
 _SNAPSHOTS: dict[tuple[str, str], dict[str, DeltaTable]] = {}
+
+
+def forget_pipeline(settings: Settings, pipeline: str) -> None:
+    """Drop this process's cached snapshots and rows of a pipeline's tables (after a reset deleted them: a
+    cached snapshot would otherwise go on naming files that are gone)."""
+    root = settings.table_uri(pipeline, "").rstrip("/") + "/"
+    for cache in (_SNAPSHOTS, _PINNED, _FILE_ROWS):
+        for entries in cache.values():
+            for uri in [u for u in entries if isinstance(u, str) and u.startswith(root)]:
+                entries.pop(uri, None)
 
 
 @dataclass
@@ -153,7 +164,8 @@ class Tables:
         try:
             dt = DeltaTable.create(
                 uri, schema, mode="ignore", partition_by=list(partition_by) if partition_by else None,
-                storage_options=self.options, name=f"{pipeline}.{name}", configuration=_table_config(stats_columns),
+                storage_options=self.options, name=f"{pipeline}.{name}",
+                configuration=_table_config(stats_columns, name),
             )
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, uri, self.settings) from exc
@@ -241,6 +253,44 @@ class Tables:
                 raise _wrap(exc, self.uri(pipeline, name), self.settings) from exc
         return plain_strings(table)
 
+    def read_added(self, pipeline: str, name: str, after: int | None, upto: int | None, schema: pa.Schema
+                   ) -> pa.Table:
+        """The rows that the data-changing commits after version ``after`` (None: from the table's start)
+        up to and including ``upto`` added, through the Delta change feed: only those commits' added
+        files are read; a commit that only rewrites files (a compaction, ``dataChange=false``) adds
+        nothing. Needs the commits' log entries (kept for the table's log retention, 30 days by default)."""
+        if upto is None or (after is not None and upto <= after):
+            return schema.empty_table()
+        if after is None:  # from the start: the table as of ``upto`` is every row added so far, rewinds applied
+            part = self.read_arrow(pipeline, name, version=upto, columns=schema.names)
+        else:
+            part = self._change_feed(pipeline, name, after + 1, upto, schema)
+        return plain_strings(part).select(schema.names).cast(schema)
+
+    def rewound(self, pipeline: str, name: str, after: int | None, upto: int | None) -> int | None:
+        """The first commit after ``after`` up to ``upto`` that took rows away (a reprocess's RESTORE or
+        DELETE of an append-only table), or None: a reader of added rows cannot follow such a commit."""
+        if after is None or upto is None or upto <= after:
+            return None
+        for h in self.history(pipeline, name, (self.version(pipeline, name) or upto) - after + 1):
+            if after < h.get("version", -1) <= upto and h.get("operation") in ("RESTORE", "DELETE"):
+                return h["version"]
+        return None
+
+    def _change_feed(self, pipeline: str, name: str, start: int, upto: int, schema: pa.Schema) -> pa.Table:
+        """The rows inserted by the commits ``start`` to ``upto`` (both included), from the change feed."""
+        dt = self.open(pipeline, name)
+        try:
+            reader = dt.load_cdf(starting_version=start, ending_version=upto, columns=[*schema.names, "_change_type"])
+            table = plain_strings(pa.RecordBatchReader.from_stream(reader).read_all())
+        except Exception as exc:  # noqa: BLE001
+            if "change data enabled" in str(exc):
+                raise MillpondError(
+                    f"{pipeline}.{name} was created before stages read it (no change feed): enable it with "
+                    f"`millpond reset {pipeline}` and a backfill, which recreate it ({str(exc)[:160]})") from exc
+            raise _wrap(exc, self.uri(pipeline, name), self.settings) from exc
+        return table.filter(pc.equal(table.column("_change_type"), "insert")).select(schema.names)
+
     def read_spark(self, spark, pipeline: str, name: str, **kwargs):
         """A Spark DataFrame of the table (read through delta-rs, handed over as Arrow)."""
         return spark.createDataFrame(self.read_arrow(pipeline, name, **kwargs))
@@ -283,7 +333,7 @@ class Tables:
             if dt is None:  # the first write creates the table: its version 0 holds these rows
                 write_deltalake(uri, data, mode=mode, partition_by=list(partition_by) if partition_by else None,
                                 storage_options=self.options, commit_properties=_commit(txn),
-                                configuration=TABLE_CONFIG, post_commithook_properties=self._hooks,
+                                configuration=_table_config(None, name), post_commithook_properties=self._hooks,
                                 writer_properties=_writer_properties(unique))
                 self._created.add(uri)
             else:
@@ -322,7 +372,7 @@ class Tables:
             try:
                 write_deltalake(uri, kept, mode="append", partition_by=list(partition_by) if partition_by else None,
                                 storage_options=self.options, name=f"{pipeline}.{name}",
-                                configuration=_table_config(stats_columns),
+                                configuration=_table_config(stats_columns, name),
                                 commit_properties=_commit(txn), post_commithook_properties=self._hooks)
             except Exception as exc:  # noqa: BLE001
                 raise _wrap(exc, uri, self.settings) from exc

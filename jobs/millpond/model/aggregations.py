@@ -30,6 +30,9 @@ class Combiner:
     output_type: str = "input"
     #: True if ``add_checked`` may skip values (the output has a range to keep)
     checked: bool = False
+    #: True if the output is the sum of the values added (a negative value undoes a positive one): a stage
+    #: reading an upstream's panes, retractions included, needs it (``model.stages``)
+    additive: bool = False
 
     def create(self) -> Any:
         raise NotImplementedError
@@ -73,6 +76,7 @@ def fits(total: Any) -> bool:
 
 class Sum(Combiner):
     reversible = True
+    additive = True
     #: True: ``add_checked`` may skip values (the columnar path sends keys that might overflow to the
     #: element path, where skipped elements are reported; see ``runtime.layout.form_windows``)
     checked = True
@@ -124,6 +128,7 @@ def _bounded(acc: int, values: list[int]) -> bool:
 class Count(Sum):
     output_type = "int"
     checked = False
+    additive = False
 
     def add_checked(self, acc: Any, values: list[Any]) -> tuple[Any, list[int]]:
         return acc + len(values), []

@@ -8,6 +8,7 @@ from typing import Any
 
 from millpond.model.accumulation import Accumulation
 from millpond.model.aggregations import combiner, output_value_type
+from millpond.model.stages import Upstream, check_stage, parse_upstream
 from millpond.model.step import Strategy
 from millpond.model.timeutil import parse_duration
 from millpond.model.triggers import parse_trigger
@@ -30,6 +31,8 @@ class PipelineSpec:
     description: str = ""
     demo: dict[str, Any] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)
+    #: the upstream pipelines whose panes are this pipeline's input (None: landing files under the prefix)
+    upstream: Upstream | None = None
 
     def strategy(self) -> Strategy:
         return Strategy(
@@ -56,7 +59,7 @@ class PipelineSpec:
 #: the keys a pipeline file may hold, and the keys of its blocks that are not interpreted elsewhere
 PIPELINE_KEYS = ("name", "description", "source", "value_type", "window", "trigger", "accumulation", "aggregation",
                  "allowed_lateness", "batch_interval", "watermark", "dedup", "demo", "computation")
-BLOCK_KEYS = {"source": ("prefix",), "dedup": ("horizon",)}
+BLOCK_KEYS = {"source": ("prefix", "pipeline", "pipelines", "stream", "key", "event_time"), "dedup": ("horizon",)}
 WATERMARK_KEYS = {"processing_time": ("lag",), "bounded_out_of_orderness": ("bound",), "injector": ("bound",),
                   "percentile": ("percentile", "fallback_lag"), "explicit": ("values",), "perfect": ()}
 
@@ -104,6 +107,9 @@ def pipeline_from_dict(doc: dict[str, Any]) -> PipelineSpec:
     if value_type not in ("int", "float"):
         raise ValueError(f"value_type {value_type!r}: use int or float")
     source = doc.get("source") or {}
+    upstream = parse_upstream(source)
+    if upstream is not None:
+        check_stage(doc, str(doc.get("aggregation", "sum")))
     spec = PipelineSpec(
         name=name,
         source_prefix=str(source.get("prefix", f"{name}/")),
@@ -118,6 +124,7 @@ def pipeline_from_dict(doc: dict[str, Any]) -> PipelineSpec:
         description=str(doc.get("description", "")),
         demo=dict(doc.get("demo") or {}),
         raw=dict(doc),
+        upstream=upstream,
     )
     if doc.get("computation") is not None:  # a MillWheel computation (millpond.model.computation) replaces them
         if doc.get("window") is not None or doc.get("trigger") is not None:

@@ -39,6 +39,8 @@ class PipelineInfo:
     batch_interval: timedelta
     description: str
     has_demo: bool
+    #: the pipelines whose panes this one reads (``source: {pipeline: ...}``; ``model.stages``)
+    upstreams: tuple[str, ...] = ()
 
     @property
     def dag_id(self) -> str:
@@ -55,7 +57,10 @@ def read_pipeline_info(path: Path) -> PipelineInfo:
     interval = timedelta(microseconds=parse_duration(doc.get("batch_interval", "5m")))
     if interval <= timedelta(0):
         raise ValueError(f"{path.name}: batch_interval must be positive")
-    return PipelineInfo(name, path, interval, str(doc.get("description") or ""), bool(doc.get("demo")))
+    source = doc.get("source") if isinstance(doc.get("source"), dict) else {}
+    upstreams = source.get("pipelines") or ([source["pipeline"]] if source.get("pipeline") else [])
+    return PipelineInfo(name, path, interval, str(doc.get("description") or ""), bool(doc.get("demo")),
+                        tuple(str(u) for u in upstreams) if isinstance(upstreams, list) else ())
 
 
 def pipelines_dir(settings: Settings) -> Path:
@@ -172,6 +177,8 @@ def build_dag(info: PipelineInfo, settings: Settings):
     from airflow.sdk import DAG, Asset, Param, task
 
     assets = [Asset(f"s3://{settings.bucket_lake}/{settings.table_root}/{info.name}/{t}") for t in TABLE_ASSETS]
+    # a stage reads its upstreams' panes: lineage in Airflow (its runs stay on its own batch_interval)
+    inlets = [Asset(f"s3://{settings.bucket_lake}/{settings.table_root}/{u}/panes") for u in info.upstreams]
     doc = (
         f"**{info.name}**: {info.description or 'Millpond pipeline'}\n\n"
         f"One micro-batch per {info.batch_interval} data interval; processing time = `data_interval_end`. "
@@ -234,7 +241,7 @@ def build_dag(info: PipelineInfo, settings: Settings):
                 log.info("landed %d demo events for %s arriving in [%s, %s)", landed, name, _iso(start), _iso(end))
             return {"start": _iso(start), "end": _iso(end), "demo_events": landed}
 
-        @task(task_id="process_microbatch")
+        @task(task_id="process_microbatch", inlets=inlets)
         def process_microbatch(plan: dict[str, Any], **context: Any) -> dict[str, Any]:
             """One micro-batch at processing time = the window end (idempotent)."""
             params = context["params"]

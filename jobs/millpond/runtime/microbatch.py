@@ -31,7 +31,7 @@ from millpond.runtime import rewind
 from millpond.runtime.commits import Commits, PhaseTimer
 from millpond.runtime.engines import runs_on_spark
 from millpond.runtime.failure import batch_failed
-from millpond.runtime.steps import commit, compute, dedup, plan, read, validate, versions, watermark
+from millpond.runtime.steps import commit, compute, dedup, plan, read, upstream, validate, versions, watermark
 
 
 def committed_versions(tables: Tables, pipeline: str) -> dict[str, int]:
@@ -108,6 +108,8 @@ class MicroBatch:
         return self.tables.read_whole(self.name, "ingest_log", PLAN_SCHEMA)
 
     def landing(self) -> list[StoredObject]:
+        if self.spec.upstream is not None:  # a stage reads its upstreams' panes, no landing files
+            return []
         return list(self.store.list(self.settings.bucket_landing, self.spec.source_prefix))
 
     # the run -------------------------------------------------------------------------------------
@@ -157,7 +159,10 @@ class MicroBatch:
             self._finish(txn, clock, max_et, counts, t)
             return BatchResult(self.name, batch, to_datetime(P), to_datetime(clock.watermark), counts, t.phases)
         t.begin("ingest", files=len(the_plan["files"]))
-        good, bad = read.read_files(self, the_plan, P)
+        if self.spec.upstream is not None:
+            good, bad = upstream.read_upstreams(self, the_plan), []
+        else:
+            good, bad = read.read_files(self, the_plan, P)
         t.lap("ingest", elements=good.num_rows, quarantined=len(bad))
         seen_version = the_plan["versions"].get("seen_ids")
         accepted, kept = dedup.dedup(self, good, seen_version, w_in)
@@ -177,7 +182,10 @@ class MicroBatch:
         return BatchResult(self.name, batch, to_datetime(P), to_datetime(clock.watermark), counts, t.phases)
 
     def _on_spark(self, listing: list[StoredObject], the_plan: dict[str, Any]) -> bool:
-        """Whether this batch runs as a Spark job (``engines.runs_on_spark``), judged by its files' bytes."""
+        """Whether this batch runs as a Spark job (``engines.runs_on_spark``), judged by its files' bytes. A
+        stage (a pipeline reading an upstream's panes) always runs on the local engine."""
+        if self.spec.upstream is not None:
+            return False
         sizes = {o.key: o.size for o in listing}
         planned = sum(sizes.get(key, 0) for key in the_plan["files"])
         return runs_on_spark(self.settings, self.spark, planned, windowed=type(self).process is MicroBatch.process)

@@ -17,6 +17,7 @@ from millpond.model.panes import TS
 from millpond.model.timeutil import to_us
 from millpond.runtime.assembly import ts_array
 from millpond.runtime.commits import concurrently
+from millpond.runtime.steps.upstream import plan_upstreams, upstream_marks
 from millpond.runtime.upkeep import maintain, upkeep_turns
 
 if TYPE_CHECKING:
@@ -27,6 +28,8 @@ def read_history(job: BatchContext) -> dict[str, Any]:
     """What the plan may need, read at once: the committed batches, the plan log, the landing listing and
     the state tables' versions (a rerun of a crashed batch uses its plan's versions instead)."""
     state = {f"version:{name}": (lambda name=name: job.tables.version(job.name, name)) for name in job.state_tables}
+    if job.spec.upstream is not None:  # a stage: its upstreams' last markers instead of a landing listing
+        state["upstreams"] = lambda: upstream_marks(job)
     return concurrently({"done": job.committed, "log": job.ingest_log, "landing": job.landing, **state})
 
 
@@ -113,6 +116,8 @@ def plan_batch(job: BatchContext, batch: int, txn: Txn, found: dict[str, Any], p
     files, oldest_pending, skipped = pending_files(found["landing"], found["log"], processing_time)
     versions = {name: found[f"version:{name}"] for name in job.state_tables}
     versions["oldest_pending"] = oldest_pending
+    if job.spec.upstream is not None:
+        versions |= plan_upstreams(job, found["log"], batch, found["upstreams"])
     held = holds(found["log"].filter(pc.field("batch") == batch).to_pylist())
     plan = {"files": [f.key for f in files], "arrivals": [f.arrival for f in files], "versions": versions,
             "skipped": skipped, "held": held}

@@ -10,6 +10,7 @@ import pyarrow.compute as pc
 from millpond.model.clock import BatchClock
 from millpond.model.timeutil import to_us
 from millpond.model.watermark import advance
+from millpond.runtime.steps.upstream import input_watermark
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -37,6 +38,8 @@ def clock_for(job: BatchContext, batch: int, processing_time: int, w_in: int, pr
     max_et = max([v for v in (batch_max, max_et_prev) if v is not None], default=None)
     if explicit is not None:
         candidate = to_us(explicit)
+    elif job.spec.upstream is not None:  # a stage: the least of its upstreams' committed watermarks
+        candidate = input_watermark(plan)
     else:
         candidate = job.spec.watermark_policy.candidate(
             batch_index=batch - 1, processing_time=processing_time, max_event_time=max_et,

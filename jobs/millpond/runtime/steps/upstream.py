@@ -1,0 +1,149 @@
+"""Upstream: a stage's input (``source: {pipeline: NAME, stream: panes}``, ``model.stages``), the panes its
+upstream pipelines committed since those it consumed last.
+
+The plan records, per upstream, the range of its ``panes`` versions the batch consumes: from the version
+the earlier batches consumed up to (exclusive) to the version named by the upstream's last committed
+marker (inclusive), and that marker's watermark. A retried batch finds its plan and reads the same range;
+a panes commit of an upstream batch whose marker has not landed yet lies beyond the range and waits for
+the next batch. Only the rows the range's commits added are read (``Tables.read_added``: the Delta change
+feed, which skips compactions). Each pane becomes one element (``model.stages`` says how); its id names
+the upstream, key, window, pane index and kind, so the dedup step drops a pane taken twice. The batch's
+input watermark is the least of the upstreams' recorded watermarks (``input_watermark``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from millpond.errors import MillpondError
+from millpond.lake.landing import event_schema
+from millpond.lake.schemas import BATCHES_SCHEMA
+from millpond.lake.sql import sql_in, sql_ts
+from millpond.model.panes import pane_schema
+from millpond.model.stages import ALL_KEY, check_upstream
+from millpond.model.timeutil import MIN_TS, to_us
+
+if TYPE_CHECKING:
+    from millpond.runtime.context import BatchContext
+
+#: up to this many keys a SQL IN list when looking up an accumulating upstream's previous panes
+SMALL_IN_LIST = 200
+
+
+def upstream_marks(job: BatchContext) -> dict[str, dict[str, Any] | None]:
+    """Each upstream's last committed marker: its batch, watermark (us), panes version and semantic spec
+    (None: the upstream has committed no batch yet)."""
+    out: dict[str, dict[str, Any] | None] = {}
+    for name in job.spec.upstream.pipelines:
+        done = job.tables.read_whole(name, "batches", BATCHES_SCHEMA)
+        if not done.num_rows:
+            out[name] = None
+            continue
+        last = max(done.to_pylist(), key=lambda r: r["batch"])
+        out[name] = {"batch": last["batch"], "watermark": to_us(last["watermark"]) if last["watermark"] else None,
+                     "panes": json.loads(last["versions"] or "{}").get("panes"), "spec": last.get("spec")}
+    return out
+
+
+def consumed(log: pa.Table, batch: int, upstream: str) -> int | None:
+    """The upstream panes version that this stage's earlier batches consumed up to (None: nothing yet).
+    Every plan of an earlier batch belongs to a committed batch (a batch plans after the previous marker)."""
+    done = [json.loads(text).get(f"upstream:{upstream}") for b, text in
+            zip(log.column("batch").to_pylist(), log.column("versions").to_pylist(), strict=True)
+            if b < batch and text]
+    return max((v for v in done if v is not None), default=None)
+
+
+def plan_upstreams(job: BatchContext, log: pa.Table, batch: int, marks: dict[str, dict[str, Any] | None]
+                   ) -> dict[str, Any]:
+    """The plan's entries for the upstreams: ``upstream:NAME`` (the panes version consumed up to) and
+    ``upstreams`` ({NAME: from, to, watermark, batch, accumulation})."""
+    out: dict[str, Any] = {"upstreams": {}}
+    for name, mark in marks.items():
+        before = consumed(log, batch, name)
+        upto = mark["panes"] if mark and mark["panes"] is not None else before
+        if before is not None and (upto is None or upto < before):
+            raise MillpondError(f"{job.name}: upstream {name}'s panes are at version {upto}, behind version {before} "
+                                f"this pipeline consumed: was {name} reset? Reset {job.name} too (`millpond reset "
+                                f"{job.name}`), then backfill it")
+        spec = json.loads(mark["spec"]) if mark and mark.get("spec") else {}
+        if spec:
+            check_upstream(job.name, name, spec, job.spec.value_type)
+        out[f"upstream:{name}"] = upto
+        out["upstreams"][name] = {"from": before, "to": upto, "watermark": mark["watermark"] if mark else None,
+                                  "batch": mark["batch"] if mark else None,
+                                  "accumulation": spec.get("accumulation", "accumulating")}
+    return out
+
+
+def input_watermark(plan: dict[str, Any]) -> int:
+    """The least of the upstreams' committed watermarks (the start of time while one has none)."""
+    marks = plan["versions"].get("upstreams") or {}
+    return min((MIN_TS if m["watermark"] is None else m["watermark"] for m in marks.values()), default=MIN_TS)
+
+
+def read_upstreams(job: BatchContext, plan: dict[str, Any]) -> pa.Table:
+    """The planned upstream panes as elements (``event_schema``), in (upstream, batch, seq) order."""
+    parts = []
+    schema = pane_schema(job.spec.value_type)
+    for name, rng in (plan["versions"].get("upstreams") or {}).items():
+        if (v := job.tables.rewound(name, "panes", rng["from"], rng["to"])) is not None:
+            raise MillpondError(
+                f"{job.name}: its upstream {name} was reprocessed (its panes were rewound at version {v}), which a "
+                f"stage cannot take as retractions yet: recompute the stage from its upstream's tables with "
+                f"`millpond reset {job.name} --yes` and a backfill (docs/stages.md, 'After an upstream reprocess')")
+        rows = job.tables.read_added(name, "panes", rng["from"], rng["to"], schema)
+        if not rows.num_rows:
+            continue
+        rows = rows.sort_by([("batch", "ascending"), ("seq", "ascending"), ("key", "ascending"),
+                             ("window_start", "ascending"), ("kind", "ascending")])
+        parts.append(pane_elements(job, name, rows, rng))
+    if not parts:
+        return event_schema(job.spec.value_type).empty_table()
+    return pa.concat_tables(parts)
+
+
+def pane_elements(job: BatchContext, name: str, rows: pa.Table, rng: dict[str, Any]) -> pa.Table:
+    """One element per pane: what the pane changed in its window's value (``model.stages``)."""
+    up = job.spec.upstream
+    value = rows.column("value")
+    retraction = pc.equal(rows.column("kind"), "retraction")
+    if rng["accumulation"] == "accumulating_and_retracting":
+        value = pc.if_else(retraction, pc.negate(value), value)
+    elif rng["accumulation"] == "accumulating":
+        value = pc.subtract(value, previous_values(job, name, rows, rng["to"]))
+    start, end = (pc.cast(rows.column(c), pa.int64()) for c in ("window_start", "window_end"))
+    ids = pc.binary_join_element_wise(
+        pa.array(np.full(rows.num_rows, name, object), pa.string()), rows.column("key"),
+        *(pc.cast(c, pa.string()) for c in (start, end, rows.column("pane_index"))), rows.column("kind"), "|")
+    key = rows.column("key") if up.key == "keep" else pa.array(np.full(rows.num_rows, ALL_KEY, object), pa.string())
+    event_time = start if up.event_time == "window_start" else pc.subtract(end, 1)
+    schema = event_schema(job.spec.value_type)
+    return pa.Table.from_arrays([ids, key, value, event_time, pc.cast(rows.column("processing_time"), pa.int64())],
+                                schema=schema)
+
+
+def previous_values(job: BatchContext, name: str, rows: pa.Table, upto: int) -> pa.Array:
+    """Over an accumulating upstream: each pane's window's previous pane value (0 for a window's first),
+    from the upstream's value panes of the same windows as of the planned version."""
+    keys = pc.unique(rows.column("key")).to_pylist()
+    lo, hi = pc.min(rows.column("window_start")).as_py(), pc.max(rows.column("window_start")).as_py()
+    where = f"kind = 'value' AND window_start >= {sql_ts(to_us(lo))} AND window_start <= {sql_ts(to_us(hi))}"
+    if len(keys) <= SMALL_IN_LIST:
+        where += " AND " + sql_in("key", keys)
+    cols = ["key", "window_start", "window_end", "pane_index", "value"]
+    hist = job.tables.select(name, "panes", where, columns=cols, version=upto).sort_by(
+        [("key", "ascending"), ("window_start", "ascending"), ("window_end", "ascending"),
+         ("pane_index", "ascending")])
+    before: dict[tuple, Any] = {}
+    last: dict[tuple, Any] = {}
+    for k, ws, we, i, v in zip(*(hist.column(c).to_pylist() for c in cols), strict=True):
+        before[(k, ws, we, i)] = last.get((k, ws, we), 0)
+        last[(k, ws, we)] = v
+    wanted = zip(*(rows.column(c).to_pylist() for c in cols[:4]), strict=True)
+    return pa.array([before.get(w, 0) for w in wanted], rows.schema.field("value").type)
