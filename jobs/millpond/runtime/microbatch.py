@@ -135,7 +135,7 @@ class MicroBatch:
     def _run(self, P: int, explicit_watermark: datetime | int | str | None) -> BatchResult:
         t = PhaseTimer(self.label)
         t.begin("plan", at=to_datetime(P).isoformat())
-        found = plan.read_history(self)
+        found = plan.read_history(self, P)
         prev, skip = plan.previous_batch(found["done"], P)
         if skip:
             t.lap("plan", nothing_to_do=skip)

@@ -24,12 +24,12 @@ if TYPE_CHECKING:
     from millpond.runtime.context import BatchContext
 
 
-def read_history(job: BatchContext) -> dict[str, Any]:
+def read_history(job: BatchContext, processing_time: int) -> dict[str, Any]:
     """What the plan may need, read at once: the committed batches, the plan log, the landing listing and
     the state tables' versions (a rerun of a crashed batch uses its plan's versions instead)."""
     state = {f"version:{name}": (lambda name=name: job.tables.version(job.name, name)) for name in job.state_tables}
     if job.spec.upstream is not None:  # a stage: its upstreams' last markers instead of a landing listing
-        state["upstreams"] = lambda: upstream_marks(job)
+        state["upstreams"] = lambda: upstream_marks(job, processing_time)
     return concurrently({"done": job.committed, "log": job.ingest_log, "landing": job.landing, **state})
 
 

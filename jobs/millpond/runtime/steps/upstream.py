@@ -35,16 +35,19 @@ if TYPE_CHECKING:
 SMALL_IN_LIST = 200
 
 
-def upstream_marks(job: BatchContext) -> dict[str, dict[str, Any] | None]:
-    """Each upstream's last committed marker: its batch, watermark (us), panes version and semantic spec
-    (None: the upstream has committed no batch yet)."""
+def upstream_marks(job: BatchContext, processing_time: int) -> dict[str, dict[str, Any] | None]:
+    """Each upstream's last committed marker at or before the stage's processing time: its batch, watermark
+    (us), panes version and semantic spec (None: no such batch yet). Bounded by the processing time, a stage's
+    batch reads the same upstream batches whenever it runs (live, late, or in a backfill), as long as its
+    upstreams have committed them."""
     out: dict[str, dict[str, Any] | None] = {}
     for name in job.spec.upstream.pipelines:
-        done = job.tables.read_whole(name, "batches", BATCHES_SCHEMA)
-        if not done.num_rows:
+        done = [r for r in job.tables.read_whole(name, "batches", BATCHES_SCHEMA).to_pylist()
+                if to_us(r["processing_time"]) <= processing_time]
+        if not done:
             out[name] = None
             continue
-        last = max(done.to_pylist(), key=lambda r: r["batch"])
+        last = max(done, key=lambda r: r["batch"])
         out[name] = {"batch": last["batch"], "watermark": to_us(last["watermark"]) if last["watermark"] else None,
                      "panes": json.loads(last["versions"] or "{}").get("panes"), "spec": last.get("spec")}
     return out
