@@ -144,3 +144,44 @@ def test_a_dead_scheduler_is_restarted(airflow_stack) -> None:
     assert stack.revive() == ["scheduler"]
     assert stack.running() and stack.pids()["scheduler"] != pid
     assert stack.revive() == []  # nothing more to do
+
+
+def test_an_upstream_batch_triggers_its_stage_through_its_asset(airflow_stack) -> None:
+    """Data-aware scheduling: a stage's DAG is scheduled by its upstream's panes Asset; each upstream batch
+    that committed publishes the Asset with its processing time, and the stage runs at that time."""
+    import yaml
+    from millpond.model.timeutil import to_us
+    from millpond.orchestration.backfill import Backfill
+
+    stack, s = airflow_stack
+    up, stage = "afup", "afstage"
+    airflow_env.write_conf_dir(s.conf_dir, names=(airflow_env.PIPELINE, up))
+    (s.conf_dir / "pipelines" / f"{stage}.yaml").write_text(yaml.safe_dump({
+        "name": stage, "source": {"pipeline": up, "stream": "panes", "key": "all", "event_time": "window_start"},
+        "value_type": "int", "window": {"type": "fixed", "size": "1h"},
+        "trigger": "AtWatermark(early=AtCount(1), late=AtCount(1))", "accumulation": "accumulating",
+        "aggregation": "sum", "allowed_lateness": "1d", "batch_interval": "5m"}))
+    waiter = Backfill(s, stage, T0, T0 + STEP, stack=stack)
+    waiter.wait_for_dag()
+    Backfill(s, up, T0, T0 + STEP, stack=stack).wait_for_dag()
+    time.sleep(12)  # the scheduler's asset clean-up pass (every 5 s here) activates the new Assets
+    assert Backfill(s, up, T0, T0 + 2 * STEP, stack=stack, conf={"demo": True}).run(timeout=400)
+    tables, last = Tables(s), to_us(T0 + 2 * STEP)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        done = tables.read_arrow(stage, "batches").column("processing_time").to_pylist() \
+            if tables.exists(stage, "batches") else []
+        if last in {to_us(t) for t in done}:
+            break
+        time.sleep(3)
+    else:
+        runs = waiter.api("GET", f"/dags/millpond_{stage}/dagRuns?limit=50")["dag_runs"]
+        events = waiter.api("GET", "/assets/events?limit=50")
+        raise AssertionError(f"no stage batch at the upstream's last processing time: {done}; stage runs {runs}; "
+                             f"asset events {events}")
+    runs = waiter.api("GET", f"/dags/millpond_{stage}/dagRuns?limit=50")["dag_runs"]
+    triggered = [r for r in runs if "asset" in r["run_type"]]
+    assert triggered and all(r["state"] in ("success", "running", "queued") for r in triggered), runs
+    assert {to_us(t) for t in done} <= {to_us(T0 + STEP), last}  # the upstream's processing times
+    total = sum(r["value"] for r in tables.read_arrow(up, "current").to_pylist())
+    assert total and sum(r["value"] for r in tables.read_arrow(stage, "current").to_pylist()) == total

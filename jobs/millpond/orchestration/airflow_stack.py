@@ -161,6 +161,9 @@ def airflow_env(
         "AIRFLOW__API_AUTH__JWT_SECRET": sec["jwt_secret"],
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": str(cfg.refresh_interval),
         "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": str(max(cfg.refresh_interval, 5)),
+        # a new pipeline's table Assets become active (able to take events that trigger its stages) at the
+        # scheduler's next asset clean-up pass: every few seconds, not the default minute
+        "AIRFLOW__SCHEDULER__PARSING_CLEANUP_INTERVAL": str(max(cfg.refresh_interval, 5)),
         "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
         "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(home / "logs"),
         "PYSPARK_PYTHON": sys.executable,
@@ -228,7 +231,7 @@ class AirflowStack:
             )
         self.home.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = airflow_env(self.settings, self.cfg)
+        env = self._environment(fresh=len(missing) == len(COMPONENTS))
         migrate = subprocess.run(airflow_binary() + ["db", "migrate"], env=env, capture_output=True, text=True,
                                  stdin=subprocess.DEVNULL, timeout=300)
         if migrate.returncode != 0:
@@ -258,6 +261,18 @@ class AirflowStack:
             self.stop()
             raise
         return True
+
+    def _environment(self, fresh: bool) -> dict[str, str]:
+        """The components' environment: made when the stack starts whole, then kept (owner-only: it holds the
+        stack's secrets), so a component revived later by another process — a CLI with other overrides, a
+        test's patched environment — runs with exactly its siblings' settings."""
+        kept = self.home / "stack-env.json"
+        if not fresh and kept.exists():
+            return json.loads(kept.read_text())
+        env = airflow_env(self.settings, self.cfg)
+        kept.touch(mode=0o600)
+        kept.write_text(json.dumps(env))
+        return env
 
     def revive(self) -> list[str]:
         """Restart the components that died while the others still run; the restarted ones (none when

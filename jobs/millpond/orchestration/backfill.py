@@ -121,6 +121,9 @@ class Backfill:
             try:
                 return self.api("POST", "/backfills", self.body())
             except MillpondError as exc:
+                if " 409" in str(exc) and attempt < attempts - 1:  # the previous backfill's end can lag its runs
+                    time.sleep(2.0 + 2 * attempt)
+                    continue
                 if " 409" in str(exc):
                     raise MillpondError(f"a backfill of {self.dag_id} is already running: wait for it or cancel "
                                         "it in the UI (Browse -> Backfills)") from exc

@@ -99,6 +99,21 @@ def batch_window(context: dict[str, Any], interval: timedelta) -> tuple[datetime
     return _utc(start), _utc(end)
 
 
+def triggering_batch_time(context: dict[str, Any]) -> datetime | None:
+    """For a run its upstreams' asset events triggered: the latest processing time of the upstream batches
+    that published them (None for any other run), so the stage's batch reads up to that batch."""
+    run = context.get("dag_run")
+    if "asset" not in str(getattr(run, "run_type", "") or "").lower():
+        return None
+    times = []
+    for events in (context.get("triggering_asset_events") or {}).values():
+        for event in events:
+            text = (getattr(event, "extra", None) or {}).get("processing_time")
+            if text:
+                times.append(_utc(datetime.fromisoformat(str(text).replace("Z", "+00:00"))))
+    return max(times, default=None)
+
+
 def _utc(value: datetime) -> datetime:
     """A plain ``datetime`` in UTC (Airflow hands out pendulum objects, which the engine's arithmetic rejects)."""
     value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
@@ -174,11 +189,15 @@ def summarize(result: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 def build_dag(info: PipelineInfo, settings: Settings):
     """The DAG of one pipeline."""
-    from airflow.sdk import DAG, Asset, Param, task
+    from airflow.sdk import DAG, Asset, AssetAny, AssetOrTimeSchedule, Param, task
 
     assets = [Asset(f"s3://{settings.bucket_lake}/{settings.table_root}/{info.name}/{t}") for t in TABLE_ASSETS]
-    # a stage reads its upstreams' panes: lineage in Airflow (its runs stay on its own batch_interval)
+    # A stage reads its upstreams' panes: an upstream batch that committed (its publish updates the panes
+    # Asset) triggers the stage's run at that batch's processing time; the stage's own batch_interval
+    # schedule stays for backfills and as a fallback. The UI's asset graph shows the pipelines' graph.
     inlets = [Asset(f"s3://{settings.bucket_lake}/{settings.table_root}/{u}/panes") for u in info.upstreams]
+    schedule = (AssetOrTimeSchedule(timetable=timetable_for(info.batch_interval), assets=AssetAny(*inlets))
+                if inlets else timetable_for(info.batch_interval))
     doc = (
         f"**{info.name}**: {info.description or 'Millpond pipeline'}\n\n"
         f"One micro-batch per {info.batch_interval} data interval; processing time = `data_interval_end`. "
@@ -191,7 +210,7 @@ def build_dag(info: PipelineInfo, settings: Settings):
         dag_id=info.dag_id,
         description=(info.description or f"Millpond pipeline {name}")[:200],
         doc_md=doc,
-        schedule=timetable_for(interval),
+        schedule=schedule,
         start_date=START_DATE,
         catchup=False,
         max_active_runs=1,
@@ -230,6 +249,8 @@ def build_dag(info: PipelineInfo, settings: Settings):
                 raise AirflowSkipException("live runs are off (MILLPOND_AIRFLOW_SCHEDULED_RUNS=false): "
                                            "only manual runs and backfills process batches")
             start, end = batch_window(context, interval)
+            if (upstream_end := triggering_batch_time(context)) is not None:
+                start, end = upstream_end - interval, upstream_end
             params = context["params"]
             landed = 0
             if params.get("dry_run"):
@@ -314,7 +335,7 @@ def build_dag(info: PipelineInfo, settings: Settings):
             return quality
 
         @task(task_id="publish", outlets=assets)
-        def publish(summary: dict[str, Any], validation: dict[str, Any]) -> dict[str, Any]:
+        def publish(summary: dict[str, Any], validation: dict[str, Any], **context: Any) -> dict[str, Any]:
             """Rebuild and upload the Data Docs, mark the pipeline's Delta tables as updated (Airflow Assets)
             and log the batch summary."""
             if validation.get("validated"):
@@ -329,6 +350,9 @@ def build_dag(info: PipelineInfo, settings: Settings):
             if summary.get("backfill"):
                 b = summary["backfill"]
                 log.info("backfill progress for %s: %d/%d batches done", name, b["done"], b["total"])
+            for asset in assets:  # what a stage downstream needs to run at this batch's processing time
+                context["outlet_events"][asset].extra = {"processing_time": summary.get("processing_time"),
+                                                         "batch": summary.get("batch")}
             return {"pipeline": name, **summary, "validation": validation}
 
         plan = ingest()
