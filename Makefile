@@ -72,8 +72,8 @@ report: venv ## build the stream reports (PIPELINE=name for one), print and open
 docs: venv ## build the Data Docs and serve them on 127.0.0.1 (PORT=8765)
 	$(MILLPOND) docs --port $(or $(PORT),8765)
 
-backfill: venv ## re-run a pipeline's batches through Airflow: make backfill PIPELINE=x FROM=2026-01-01T00:00Z TO=...
-	@$(MILLPOND) backfill --pipeline "$(PIPELINE)" --from "$(FROM)" --to "$(TO)" $(if $(DEMO),--demo)
+backfill: venv ## re-run a pipeline's batches through Airflow: make backfill PIPELINE=x FROM=2026-01-01T00:00Z TO=... [REPROCESS=1]
+	@$(MILLPOND) backfill --pipeline "$(PIPELINE)" --from "$(FROM)" --to "$(TO)" $(if $(DEMO),--demo) $(if $(REPROCESS),--reprocess)
 
 clean: down
 	rm -rf var

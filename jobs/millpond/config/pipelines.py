@@ -21,6 +21,18 @@ def load_pipeline(path: str | Path) -> PipelineSpec:
         raise ValueError(f"{path.name}: {exc}") from exc
 
 
+def pipeline_named(conf_dir: Path, name_or_path: str) -> PipelineSpec:
+    """A pipeline by its name in ``conf_dir``/pipelines, or from a YAML path (what the commands accept)."""
+    if Path(name_or_path).suffix in (".yaml", ".yml"):
+        return load_pipeline(name_or_path)
+    specs = load_pipelines(conf_dir)
+    if name_or_path not in specs:
+        from millpond.errors import MillpondError
+
+        raise MillpondError(f"unknown pipeline {name_or_path}: have {', '.join(specs)}")
+    return specs[name_or_path]
+
+
 def load_pipelines(conf_dir: Path | None = None) -> dict[str, PipelineSpec]:
     """The pipelines by name, each after the upstreams it reads (``model.stages.upstream_first``)."""
     folder = (conf_dir or DEFAULT_CONF_DIR) / "pipelines"

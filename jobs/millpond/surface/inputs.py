@@ -140,17 +140,9 @@ def _configure_hold(p: argparse.ArgumentParser) -> None:
 @command("quarantine-file", "quarantine a landing file whole in the next batch (a file that keeps failing)",
          _configure_hold)
 def _hold(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from millpond.config.pipelines import load_pipeline, load_pipelines
+    from millpond.config.pipelines import pipeline_named
 
     settings = load_settings()
-    if Path(args.pipeline).suffix in (".yaml", ".yml"):
-        spec = load_pipeline(args.pipeline)
-    else:
-        specs = load_pipelines(settings.conf_dir)
-        if args.pipeline not in specs:
-            raise MillpondError(f"unknown pipeline {args.pipeline}: have {', '.join(specs)}")
-        spec = specs[args.pipeline]
+    spec = pipeline_named(settings.conf_dir, args.pipeline)
     print(hold_file(settings, spec.name, spec.source_prefix, args.file, args.reason))
     return 0

@@ -147,19 +147,10 @@ def _configure_batch(p: argparse.ArgumentParser) -> None:
 
 @command("batch", "run one micro-batch of a pipeline at a processing time (idempotent)", _configure_batch)
 def _batch(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from millpond.config.pipelines import load_pipeline
-    from millpond.errors import MillpondError
+    from millpond.config.pipelines import pipeline_named
 
     settings = load_settings()
-    if Path(args.pipeline).suffix in (".yaml", ".yml"):
-        spec = load_pipeline(args.pipeline)
-    else:
-        specs = load_pipelines(settings.conf_dir)
-        if args.pipeline not in specs:
-            raise MillpondError(f"unknown pipeline {args.pipeline}: have {', '.join(specs)}")
-        spec = specs[args.pipeline]
+    spec = pipeline_named(settings.conf_dir, args.pipeline)
     result = run_batch(settings, spec, to_datetime(to_us(args.at)), validate=args.validate,
                        watermark=to_datetime(to_us(args.watermark)) if args.watermark else None)
     print(result.summary())
