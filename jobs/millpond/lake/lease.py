@@ -116,7 +116,8 @@ class Lease:
             exc.expires = current["expires"]
             raise exc
         token = (current["token"] if current else 0) + 1
-        body = json.dumps({"owner": owner, "token": token, "expires": now + ttl_s, "acquired": now}).encode()
+        body = json.dumps({"owner": owner, "token": token, "expires": now + ttl_s, "acquired": now,
+                           "pid": os.getpid(), "host": socket.gethostname()}).encode()  # who, for an operator
         condition = {"IfMatch": etag} if current else {"IfNoneMatch": "*"}
         try:
             resp = client.put_object(Bucket=settings.bucket_lake, Key=key, Body=body, **condition)
@@ -145,7 +146,8 @@ class Lease:
         A stale ETag (this run's own check read the object meanwhile) is refreshed once and retried."""
         for attempt in (1, 2):
             now = time.time()
-            body = json.dumps({"owner": self.owner, "token": self.token, "expires": now + self.ttl_s, "renewed": now})
+            body = json.dumps({"owner": self.owner, "token": self.token, "expires": now + self.ttl_s, "renewed": now,
+                               "pid": os.getpid(), "host": socket.gethostname()})
             try:
                 resp = s3_client(self.settings).put_object(Bucket=self.settings.bucket_lake, Key=self.key,
                                                            Body=body.encode(), IfMatch=self.etag)
