@@ -125,8 +125,9 @@ def test_backfill_equals_live_runs(settings: Settings, conf_dir: Path, airflow_s
     versionless = timing_free + ("versions",)  # table versions moved on: the rewind's restores are commits too
     assert sorted_rows(backfilled.read_arrow(p, "batches"), drop=versionless) == \
         sorted_rows(live.read_arrow(p, "batches"), drop=versionless)
-    (op,) = backfilled.read_arrow(p, "operations").to_pylist()
-    assert op["operation"] == "reprocess" and json.loads(op["detail"])["last_batch"] == 3
+    ops = backfilled.read_arrow(p, "operations").sort_by("at").to_pylist()
+    assert [o["operation"] for o in ops] == ["backfill", "backfill ended", "reprocess", "backfill ended"]
+    assert json.loads(ops[2]["detail"])["last_batch"] == 3
     assert any(h.get("operation") == "RESTORE" for h in backfilled.history(p, "windows"))
 
 

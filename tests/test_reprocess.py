@@ -59,11 +59,10 @@ def reprocess(settings, tables, s, start_minute: int, end_minute: int) -> rewind
     """What ``millpond backfill --reprocess`` does: rewind, then the batches from FROM to where it was."""
     r = rewind.run(settings, tables, s, T0 + start_minute * MINUTE, by="test")
     last = max(end_minute, (r.last_time - T0) // MINUTE)
-    if not r.noop:  # live runs after where the pipeline was wait for the reprocess; its own batches do not
-        assert "a reprocess of" in rewind.catching_up(tables, s.name, T0 + (last + 5) * MINUTE)
-        assert rewind.catching_up(tables, s.name, T0 + last * MINUTE) == ""
+    if not r.noop:  # live runs wait for the reprocess (its own batches, backfill runs, do not ask)
+        assert "reprocess of" in rewind.catching_up(tables, s.name)
     run(settings, s, range(start_minute + 1, last + 1))
-    assert rewind.catching_up(tables, s.name, T0 + (last + 5) * MINUTE) == ""  # caught up: live runs go on
+    assert rewind.catching_up(tables, s.name) == ""  # caught up: live runs go on
     return r
 
 
@@ -117,6 +116,22 @@ def test_late_files_into_a_past_range_are_reprocessed_like_a_fresh_run(settings,
     r2 = reprocess(settings, tables, spec(name), 5, 5)
     assert (r2.to_batch, r2.last_batch) == (5, 8)
     assert content(tables, name) == content(tables, fresh)
+
+
+def test_live_runs_wait_while_a_backfill_catches_up(settings, tables, pipeline_name) -> None:
+    name = pipeline_name
+    land(settings, name, events(5, 0, 4), "a")
+    run(settings, spec(name), range(1, 2))
+    rewind.hold_live_runs(settings, tables, name, T0 + 3 * MINUTE, 2, by="test")
+    assert "backfill of" in rewind.catching_up(tables, name)
+    run(settings, spec(name), range(2, 4))  # the backfill's batches reach its end: live runs go on
+    assert rewind.catching_up(tables, name) == ""
+    rewind.hold_live_runs(settings, tables, name, T0 + 9 * MINUTE, 6, by="test")
+    assert rewind.catching_up(tables, name)
+    rewind.release_live_runs(tables, name, by="test")  # a backfill that ended short of its end
+    assert rewind.catching_up(tables, name) == ""
+    assert [o["operation"] for o in operations(settings, name).to_pylist()] == ["backfill", "backfill",
+                                                                               "backfill ended"]
 
 
 def test_a_spec_change_is_reprocessed_from_the_start(settings, tables, pipeline_name) -> None:

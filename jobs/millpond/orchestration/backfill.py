@@ -242,7 +242,33 @@ class Backfill:
             self.check_order()
         return self._run(wait, timeout, echo)
 
+    def hold_live_runs(self) -> None:
+        """Live runs of the pipeline leave their files to the backfill until it reaches TO (bounded: see
+        ``runtime.rewind.catching_up``); ``release_live_runs`` when it ends."""
+        from millpond.lake.tables import Tables
+        from millpond.model.timeutil import to_us
+        from millpond.runtime import rewind
+
+        settings = self.stack.settings
+        rewind.hold_live_runs(settings, Tables(settings), self.info.name, to_us(self.end), self.total,
+                              by=f"backfill of {self.dag_id}")
+
+    def release_live_runs(self) -> None:
+        from millpond.lake.tables import Tables
+        from millpond.runtime import rewind
+
+        rewind.release_live_runs(Tables(self.stack.settings), self.info.name, by=f"backfill of {self.dag_id}")
+
     def _run(self, wait: bool, timeout: float, echo) -> dict[str, str]:
+        if self.reprocess != "completed":  # a reprocess's rewind holds them already
+            self.hold_live_runs()
+        try:
+            return self._create_and_wait(wait, timeout, echo)
+        finally:
+            if wait:
+                self.release_live_runs()
+
+    def _create_and_wait(self, wait: bool, timeout: float, echo) -> dict[str, str]:
         created = self.create()
         echo(f"backfill {created['id']} of {self.dag_id}: {self.total} batches over "
              f"[{_iso(self.start)}, {_iso(self.end)}) every {self.info.batch_interval} -> {self.stack.url}/dags/"

@@ -298,7 +298,8 @@ def build_dag(info: PipelineInfo, settings: Settings):
                 if not rewound.noop:
                     log.info("reprocess: %s rewound to batch %s (its later batches are in the tables' history)",
                              name, rewound.to_batch or 0)
-            elif waits := rewind.catching_up(Tables(s), name, to_us(processing_time)):
+            elif "backfill" not in str(getattr(run, "run_type", "")).lower() and (
+                    waits := rewind.catching_up(Tables(s), name)):
                 log.info("%s", waits)
                 return {"processing_time": plan["end"], "skipped": True, "counts": {}, "reason": waits}
             owner = f"airflow/{info.dag_id}/{getattr(run, 'run_id', None) or plan['end']}"

@@ -294,7 +294,7 @@ def _history(args: argparse.Namespace) -> int:
         print(render(batches.slice(max(0, batches.num_rows - args.limit)) if args.limit else batches, args.format))
         ops = operations(load_settings(), args.table)
         if ops.num_rows:
-            print(f"\noperations on {args.table}'s tables (reprocesses):")
+            print(f"\noperations on {args.table}'s tables (backfills, reprocesses):")
             print(render(ops, args.format))
         print(f"\nfiles of {args.table} not read as input (skipped, held by an operator, or quarantined whole):")
         print(render(files, args.format))

@@ -52,9 +52,9 @@ def last_committed(settings: Settings, spec: PipelineSpec) -> datetime | None:
 def run_via_airflow(settings: Settings, specs: list[PipelineSpec], batches: int) -> None:
     """Backfill each pipeline's recent intervals as Airflow DAG runs, then let the schedule carry on.
 
-    The backfill is created while the DAG is still paused (new DAGs are), so its runs own every
-    interval up to now and the scheduler cannot commit the newest interval first; then the DAG is
-    unpaused and the backfill runs in order. Intervals already committed are not asked for again.
+    The backfill is created while the DAG is still paused (new DAGs are), then the DAG is unpaused and the
+    backfill runs in order; meanwhile the pipeline's live runs leave their files to it (``hold_live_runs``), so
+    the scheduler cannot commit the newest interval first. Intervals already committed are not asked for again.
     """
     from millpond.orchestration.airflow_stack import AirflowStack
     from millpond.orchestration.backfill import Backfill
@@ -72,11 +72,15 @@ def run_via_airflow(settings: Settings, specs: list[PipelineSpec], batches: int)
         job = Backfill(settings, spec.name, start, end, conf={"demo": True}, stack=stack)
         job.check_order()
         job.wait_for_dag()
-        created = job.create()
-        job.api("PATCH", f"/dags/{job.dag_id}", {"is_paused": False})
-        print(f"{spec.name}: backfill {created['id']} of {job.total} batches "
-              f"[{start.isoformat()}, {end.isoformat()}) through Airflow -> {stack.url}/dags/{job.dag_id}")
-        states = job.wait(created["id"], timeout=1800)
+        job.hold_live_runs()  # the live run of the newest interval, due at unpause, waits for the backfill
+        try:
+            created = job.create()
+            job.api("PATCH", f"/dags/{job.dag_id}", {"is_paused": False})
+            print(f"{spec.name}: backfill {created['id']} of {job.total} batches "
+                  f"[{start.isoformat()}, {end.isoformat()}) through Airflow -> {stack.url}/dags/{job.dag_id}")
+            states = job.wait(created["id"], timeout=1800)
+        finally:
+            job.release_live_runs()
         failed = [k for k, v in states.items() if v != "success"]
         if failed:
             from millpond.errors import MillpondError
