@@ -32,7 +32,8 @@ from millpond.lake.schemas import BATCHES_SCHEMA, OPERATIONS_SCHEMA
 from millpond.lake.tables import Tables
 from millpond.model.spec import PipelineSpec
 from millpond.model.timeutil import iso, to_us
-from millpond.model.versions import changes, semantic_spec
+from millpond.model.versions import changes
+from millpond.runtime.steps.versions import spec_record
 
 #: how long a rewind holds the lease (released when it ends; only a rewind cut off half-way keeps it)
 HOLD_S = 7 * 86400
@@ -84,7 +85,7 @@ def plan(tables: Tables, spec: PipelineSpec, start: int) -> Rewind:
     before = [r for r in rows if to_us(r["processing_time"]) <= start]
     to = before[-1] if before else None
     if to is not None and to.get("spec"):
-        breaking, _ = changes(json.loads(to["spec"]), json.loads(json.dumps(semantic_spec(spec.raw), default=str)))
+        breaking, _ = changes(json.loads(to["spec"]), json.loads(spec_record(spec.raw)))
         if breaking:
             first = iso(to_us(rows[0]["processing_time"]) - spec.batch_interval)
             raise PipelineChanged(
@@ -101,7 +102,11 @@ def run(settings: Settings, tables: Tables, spec: PipelineSpec, start: int, by: 
     """Rewind ``spec``'s tables for a reprocess from ``start`` (µs), under the pipeline's lease; record it."""
     name = spec.name
     lease = Lease.acquire(settings, name, owner=f"rewind/{name}", ttl_s=HOLD_S, wait=True)
-    r = plan(tables, spec, start)
+    try:
+        r = plan(tables, spec, start)
+    except BaseException:  # refused before anything moved: the pipeline goes on as it was
+        lease.release()
+        raise
     if r.noop:
         lease.release()
         return r
