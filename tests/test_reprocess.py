@@ -14,7 +14,7 @@ from millpond.lake.landing import arrival_tag
 from millpond.lake.objectstore import ObjectStore
 from millpond.model.spec import pipeline_from_dict
 from millpond.model.timeutil import US, to_datetime, to_us
-from millpond.runtime import rewind
+from millpond.runtime import catchup, rewind
 from millpond.runtime.job import run_batch
 from millpond.surface.inputs import history, operations
 
@@ -60,9 +60,9 @@ def reprocess(settings, tables, s, start_minute: int, end_minute: int) -> rewind
     r = rewind.run(settings, tables, s, T0 + start_minute * MINUTE, by="test")
     last = max(end_minute, (r.last_time - T0) // MINUTE)
     if not r.noop:  # live runs wait for the reprocess (its own batches, backfill runs, do not ask)
-        assert "reprocess of" in rewind.catching_up(tables, s.name)
+        assert "reprocess of" in catchup.catching_up(tables, s.name)
     run(settings, s, range(start_minute + 1, last + 1))
-    assert rewind.catching_up(tables, s.name) == ""  # caught up: live runs go on
+    assert catchup.catching_up(tables, s.name) == ""  # caught up: live runs go on
     return r
 
 
@@ -122,14 +122,14 @@ def test_live_runs_wait_while_a_backfill_catches_up(settings, tables, pipeline_n
     name = pipeline_name
     land(settings, name, events(5, 0, 4), "a")
     run(settings, spec(name), range(1, 2))
-    rewind.hold_live_runs(settings, tables, name, T0 + 3 * MINUTE, 2, by="test")
-    assert "backfill of" in rewind.catching_up(tables, name)
+    catchup.hold_live_runs(settings, tables, name, T0 + 3 * MINUTE, 2, by="test")
+    assert "backfill of" in catchup.catching_up(tables, name)
     run(settings, spec(name), range(2, 4))  # the backfill's batches reach its end: live runs go on
-    assert rewind.catching_up(tables, name) == ""
-    rewind.hold_live_runs(settings, tables, name, T0 + 9 * MINUTE, 6, by="test")
-    assert rewind.catching_up(tables, name)
-    rewind.release_live_runs(tables, name, by="test")  # a backfill that ended short of its end
-    assert rewind.catching_up(tables, name) == ""
+    assert catchup.catching_up(tables, name) == ""
+    catchup.hold_live_runs(settings, tables, name, T0 + 9 * MINUTE, 6, by="test")
+    assert catchup.catching_up(tables, name)
+    catchup.release_live_runs(tables, name, by="test")  # a backfill that ended short of its end
+    assert catchup.catching_up(tables, name) == ""
     assert [o["operation"] for o in operations(settings, name).to_pylist()] == ["backfill", "backfill",
                                                                                "backfill ended"]
 

@@ -11,7 +11,7 @@ FROM/TO are the processing-time range: the batches cover arrivals in [FROM, TO),
 ``reprocess="completed"`` recomputes a past range: the pipeline's tables are rewound to the last batch at or
 before FROM (``runtime.rewind``: new Delta commits, history keeps the old results), the range reaches on to
 the last committed batch, and Airflow redoes the completed runs (live runs meanwhile leave their files to the
-first live run after it, ``rewind.catching_up``).
+first live run after it, ``runtime.catchup``).
 """
 
 from __future__ import annotations
@@ -244,20 +244,20 @@ class Backfill:
 
     def hold_live_runs(self) -> None:
         """Live runs of the pipeline leave their files to the backfill until it reaches TO (bounded: see
-        ``runtime.rewind.catching_up``); ``release_live_runs`` when it ends."""
+        ``runtime.catchup.catching_up``); ``release_live_runs`` when it ends."""
         from millpond.lake.tables import Tables
         from millpond.model.timeutil import to_us
-        from millpond.runtime import rewind
+        from millpond.runtime import catchup
 
         settings = self.stack.settings
-        rewind.hold_live_runs(settings, Tables(settings), self.info.name, to_us(self.end), self.total,
+        catchup.hold_live_runs(settings, Tables(settings), self.info.name, to_us(self.end), self.total,
                               by=f"backfill of {self.dag_id}")
 
     def release_live_runs(self) -> None:
         from millpond.lake.tables import Tables
-        from millpond.runtime import rewind
+        from millpond.runtime import catchup
 
-        rewind.release_live_runs(Tables(self.stack.settings), self.info.name, by=f"backfill of {self.dag_id}")
+        catchup.release_live_runs(Tables(self.stack.settings), self.info.name, by=f"backfill of {self.dag_id}")
 
     def _run(self, wait: bool, timeout: float, echo) -> dict[str, str]:
         if self.reprocess != "completed":  # a reprocess's rewind holds them already

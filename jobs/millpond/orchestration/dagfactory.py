@@ -290,7 +290,7 @@ def build_dag(info: PipelineInfo, settings: Settings):
             # while a killed attempt that still runs somewhere is fenced by the lease's token.
             run = context.get("dag_run")
             from millpond.lake.tables import Tables
-            from millpond.runtime import rewind
+            from millpond.runtime import catchup, rewind
 
             if _truthy(conf.get("reprocess", params.get("reprocess"))):
                 rewound = rewind.run(s, Tables(s), load_spec(s, name), to_us(start), by=f"{info.dag_id} run "
@@ -299,7 +299,7 @@ def build_dag(info: PipelineInfo, settings: Settings):
                     log.info("reprocess: %s rewound to batch %s (its later batches are in the tables' history)",
                              name, rewound.to_batch or 0)
             elif "backfill" not in str(getattr(run, "run_type", "")).lower() and (
-                    waits := rewind.catching_up(Tables(s), name)):
+                    waits := catchup.catching_up(Tables(s), name)):
                 log.info("%s", waits)
                 return {"processing_time": plan["end"], "skipped": True, "counts": {}, "reason": waits}
             owner = f"airflow/{info.dag_id}/{getattr(run, 'run_id', None) or plan['end']}"
