@@ -90,6 +90,7 @@ TARGETS = {
     "batch50_vs_batch5": "batch 50 <= 1.2x batch 5",
     "peak_mem_10m_gib": "< 8 GiB at 10M events",
     "tiny_batch_s": "<= 5 s median",
+    "batch2000_vs_batch5": "batch 2,000 <= 1.2x batch 5",
 }
 
 
@@ -125,6 +126,9 @@ class Plan:
     tiny_events: int = 1_000
     tiny_runs: int = 7
     validation_events: int = 100_000
+    #: a year of history costs nothing per batch: one sequence of this many short batches (0 = skip)
+    long_history_batches: int = 2_000
+    long_history_events: int = 40
 
     def keys(self, events: int) -> int:
         return max(10, int(events * self.keys_ratio))
@@ -134,7 +138,7 @@ PLANS = {
     "quick": Plan("quick", session_sizes=(10_000, 50_000), fixed_sizes=(50_000,), spark_path_events=10_000,
                   stream_events=10_000, stream_batches=4, over_time_batches=12, over_time_events=500,
                   over_time_keys=500, over_time_repeats=1, beam_runs=1, beam_repeats=1, tiny_runs=4,
-                  validation_events=10_000),
+                  validation_events=10_000, long_history_batches=60),
     "default": Plan("default"),
     "full": Plan("full", session_sizes=(10_000, 100_000, 1_000_000, 10_000_000)),
 }
@@ -711,9 +715,55 @@ class Bench:
         self.record("validation_share", share, None, None, "fraction of batch time", True,
                     validation_seconds=round(val, 3), batch_seconds=res["seconds"], events=wl.input_events)
 
+    def measure_long_history(self) -> None:
+        """Batch 2,000 vs batch 5: one sequence of short batches (the measure is growth: the landing listing,
+        the plans read, the state and bookkeeping tables), in one process as `millpond run` and a backfill
+        run them. The sequence's last five batches run interleaved with a fresh pipeline's batches 3-7 on
+        the same landing files, so both medians come from the same minute of a noisy box. The batches whose
+        processing time starts a day list the whole prefix once (``source.full_listing_every``): reported
+        apart."""
+        nb = self.plan.long_history_batches
+        if nb < 10:
+            return
+        wl = self.workload(self.plan.long_history_events * nb, 200, batches=nb, seed=23)
+        self.log(f"long history: {nb} consecutive batches of ~{self.plan.long_history_events} events "
+                 f"({nb * wl.spec.files_per_batch} landing files)")
+        old = self.batch_steps(self.pipeline("sessions", wl), wl)
+        young = self.batch_steps(self.pipeline("sessions", wl), wl)
+        seq = [next(old) for _ in range(nb - 7)]
+        beside = []
+        for _ in range(7):
+            seq.append(next(old))
+            beside.append(next(young))
+        young.close()
+        old.close()
+        day = 86_400 * 1_000_000
+        starts = {i for i in range(1, nb) if (wl.spec.start_us + (i + 1) * wl.spec.interval_us) // day
+                  != (wl.spec.start_us + i * wl.spec.interval_us) // day}
+        plain = [b["seconds"] for i, b in enumerate(seq) if i not in starts]
+        late = statistics.median(b["seconds"] for b in seq[-5:])
+        fresh = statistics.median(b["seconds"] for b in beside[-5:])
+        hundreds = {f"{lo + 1}-{lo + 100}": round(statistics.median(plain[lo:lo + 100]), 4)
+                    for lo in range(0, len(plain) - 99, max(100, len(plain) // 10))}
+        self.log(f"  batches {nb - 4}-{nb}: {late:.3f}s median; a fresh pipeline's batches 3-7 beside them: "
+                 f"{fresh:.3f}s; median per 100 batches: {hundreds}")
+        self.measures["long_history"] = {
+            "events": wl.input_events, "batch_seconds": [b["seconds"] for b in seq],
+            "plan_seconds": [b["phases"].get("plan") for b in seq], "full_listing_batches": sorted(starts),
+            "fresh_batches": beside, "last_batches": seq[-5:]}
+        self.record(f"batch{nb}_vs_batch5", round(late, 4), round(fresh, 4),
+                    f"batches 3-7 of a fresh pipeline on the same files, interleaved with our batches {nb - 4}-{nb}",
+                    "s", True, batches=nb, median_per_100_batches=hundreds,
+                    plan_seconds_first_last=[seq[4]["phases"].get("plan"), seq[-1]["phases"].get("plan")],
+                    full_listing_batch_seconds=[seq[i]["seconds"] for i in sorted(starts)],
+                    notes=f"median of batches {nb - 4}-{nb} of one {nb}-batch sequence vs median of batches 3-7 of "
+                          "a fresh pipeline run between them; full_listing_batch_seconds: the once-a-day batches "
+                          "that list the whole prefix")
+
     def run_all(self) -> None:
         steps = [self.measure_tiny, self.measure_sessions_scaling, self.measure_fixed, self.measure_spark_path,
-                 self.measure_beam, self.measure_streaming, self.measure_over_time, self.measure_validation]
+                 self.measure_beam, self.measure_streaming, self.measure_over_time, self.measure_validation,
+                 self.measure_long_history]
         for step in steps:
             t = time.perf_counter()
             step()

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+from millpond.orchestration.processes import read_pid
 from millpond.orchestration.spark_server import SparkConnectServer, _free_port
 
 pytestmark = pytest.mark.slow
@@ -50,3 +54,53 @@ def test_connect_server_starts_answers_clients_and_stops(settings, tmp_path) -> 
     finally:
         assert server.stop() is True
     assert server.status() == "spark: stopped"
+
+
+FROZEN_CLIENT = """
+import sys
+from millpond.config import load_settings
+from millpond.errors import MillpondError
+from millpond.model.spec import pipeline_from_dict
+from millpond.runtime.spark_client import connect
+from millpond.surface.replay import read_events, replay
+s = load_settings().with_overrides(spark_connect=sys.argv[1], engine="spark", engine_local_below=0, spark_timeout_s=8.0)
+spark = connect(s)
+print("connected", flush=True)
+doc = {"name": sys.argv[2], "source": {"prefix": "replay/" + sys.argv[2] + "/"}, "window": {"type": "sessions",
+       "gap": "1m"}, "accumulation": "accumulating_and_retracting", "allowed_lateness": "10m", "batch_interval": "1m"}
+try:
+    replay(s, pipeline_from_dict(doc), read_events(sys.argv[3]), spark=spark)
+except MillpondError as exc:
+    print("error: " + str(exc), flush=True)
+    raise SystemExit(3)
+print("finished", flush=True)
+"""
+
+
+def test_a_server_frozen_mid_batch_fails_it_within_the_spark_timeout(settings, tmp_path, pipeline_name) -> None:
+    """A paused Connect server (SIGSTOP: it still accepts connections) fails the running batch in about
+    ``spark.timeout`` with one line naming it, instead of hanging until the task's timeout."""
+    local = settings.with_overrides(home=tmp_path, spark_connect_port=_free_port(), spark_ui_port=_free_port(),
+                                    spark_master="local[2]")
+    server = SparkConnectServer(local)
+    server.start()
+    events = Path(__file__).parent / "scenarios" / "fig14_sessions_retracting.jsonl"
+    client = subprocess.Popen([sys.executable, "-c", FROZEN_CLIENT, local.spark_connect_url, pipeline_name,
+                               str(events)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ))
+    group = os.getpgid(read_pid(server.pidfile))
+    try:
+        assert client.stdout.readline().strip() == "connected"
+        time.sleep(4)  # inside the replay's first Spark batch (its first data-source read alone takes seconds)
+        os.killpg(group, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        out, err = client.communicate(timeout=120)
+        waited = time.monotonic() - frozen_at
+        assert client.returncode == 3, (out, err[-2000:])
+        assert "Spark Connect server at " + local.spark_connect_url + " did not answer within 8s" in out
+        assert waited < 8 + 5 + 30, waited  # the timeout, a probe interval, and closing the channel
+    finally:
+        os.killpg(group, signal.SIGCONT)
+        if client.poll() is None:
+            client.kill()
+        server.stop()

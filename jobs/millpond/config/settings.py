@@ -123,6 +123,9 @@ OPTIONS: tuple[Option, ...] = (
            "port of the stack's Spark Connect server on 127.0.0.1"),
     Option("spark_ui_port", "spark.ui_port", "MILLPOND_SPARK_UI_PORT", _int, 4040,
            "port of the Spark UI of the stack's Connect server"),
+    Option("spark_timeout_s", "spark.timeout", "MILLPOND_SPARK_TIMEOUT", _seconds, 120.0,
+           "longest the Spark Connect server may leave a probe unanswered while a batch runs on it: a frozen "
+           "server fails the batch in about this long, in one line naming it"),
     Option("spark_shuffle_partitions", "spark.shuffle_partitions", "MILLPOND_SPARK_SHUFFLE_PARTITIONS", _int, 4,
            "partitions of a batch's shuffles (keys are hashed into them)"),
     Option("spark_driver_memory", "spark.driver_memory", "MILLPOND_SPARK_DRIVER_MEMORY", _str, "4g",
@@ -195,6 +198,7 @@ class Settings:
     spark_connect: str
     spark_connect_port: int
     spark_ui_port: int
+    spark_timeout_s: float
     spark_shuffle_partitions: int
     spark_driver_memory: str
     lease_ttl_s: float

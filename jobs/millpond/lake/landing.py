@@ -22,13 +22,14 @@ from datetime import UTC, datetime
 
 import pyarrow as pa
 
-from millpond.lake.objectstore import StoredObject
+from millpond.lake.objectstore import ObjectStore, StoredObject
 from millpond.lake.rows import MAX_FUTURE, event_schema, parse_event, parse_rows, parse_rows_table
 from millpond.model.timeutil import US, to_us
 
-__all__ = ["MAX_FUTURE", "LandingFile", "arrival_tag", "event_schema", "file_arrival", "not_input", "parse_event",
-           "parse_file", "parse_file_table", "unpack"]
+__all__ = ["MAX_FUTURE", "LandingFile", "arrival_tag", "event_schema", "file_arrival", "list_landing", "not_input",
+           "parse_event", "parse_file", "parse_file_table", "unpack"]
 
+TAG = "arrival="
 _ARRIVAL = re.compile(r"arrival=(\d{8}T\d{6}(?:\d{6})?)Z")
 INPROGRESS = ".inprogress"
 DATA_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -62,6 +63,19 @@ def file_arrival(obj: StoredObject) -> int:
             return int(obj.last_modified * US)
         return to_us(dt) + (int(text[15:]) if len(text) > 15 else 0)
     return int(obj.last_modified * US)
+
+
+def list_landing(store: ObjectStore, bucket: str, prefix: str, since: int | None) -> list[StoredObject]:
+    """The objects under ``prefix`` a batch must see (``model.listing``): all of them (``since`` None), or
+    all but the keys named ``<prefix>arrival=<time>...`` with a time before ``since``'s second (within one
+    second a tag with microseconds sorts before one without, so the cursor keeps the whole second). Two
+    ranged listings: the keys before the tagged range (the listing stops where it starts), and those after
+    the cursor."""
+    if since is None:
+        return list(store.list(bucket, prefix))
+    tagged = prefix + TAG
+    cursor = tagged + datetime.fromtimestamp(since // US, tz=UTC).strftime("%Y%m%dT%H%M%S")
+    return [*store.list(bucket, prefix, stop_at=tagged), *store.list(bucket, prefix, start_after=cursor)]
 
 
 def not_input(key: str) -> str | None:

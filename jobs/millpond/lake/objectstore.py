@@ -7,8 +7,10 @@ Every failure a user can cause (store down, wrong keys, missing bucket) becomes 
 from __future__ import annotations
 
 import io
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlparse
 
 import urllib3
@@ -132,8 +134,17 @@ class ObjectStore:
             resp.close()
             resp.release_conn()
 
-    def list(self, bucket: str, prefix: str = "") -> Iterator[StoredObject]:
-        objects = self._call(lambda: list(self.mc.list_objects(bucket, prefix=prefix, recursive=True)), bucket=bucket)
+    def list(self, bucket: str, prefix: str = "", *, start_after: str | None = None,
+             stop_at: str | None = None) -> Iterator[StoredObject]:
+        """The objects under ``prefix`` in key order: after ``start_after`` if given, and before ``stop_at``
+        (the listing stops there: the pages after it are not fetched)."""
+        def fetch() -> list[Any]:
+            found = self.mc.list_objects(bucket, prefix=prefix, recursive=True, start_after=start_after)
+            if stop_at is not None:
+                found = itertools.takewhile(lambda o: o.object_name < stop_at, found)
+            return list(found)
+
+        objects = self._call(fetch, bucket=bucket)
         for o in objects:
             if o.is_dir:
                 continue

@@ -8,6 +8,7 @@ from typing import Any
 
 from millpond.model.accumulation import Accumulation
 from millpond.model.aggregations import combiner, output_value_type
+from millpond.model.listing import LISTING_KEYS, Listing
 from millpond.model.stages import Upstream, check_stage, parse_upstream
 from millpond.model.step import Strategy
 from millpond.model.timeutil import parse_duration
@@ -33,6 +34,8 @@ class PipelineSpec:
     raw: dict[str, Any] = field(default_factory=dict)
     #: the upstream pipelines whose panes are this pipeline's input (None: landing files under the prefix)
     upstream: Upstream | None = None
+    #: how the landing prefix is listed (``model.listing``)
+    listing: Listing = field(default_factory=Listing)
 
     def strategy(self) -> Strategy:
         return Strategy(
@@ -59,7 +62,8 @@ class PipelineSpec:
 #: the keys a pipeline file may hold, and the keys of its blocks that are not interpreted elsewhere
 PIPELINE_KEYS = ("name", "description", "source", "value_type", "window", "trigger", "accumulation", "aggregation",
                  "allowed_lateness", "batch_interval", "watermark", "dedup", "demo", "computation")
-BLOCK_KEYS = {"source": ("prefix", "pipeline", "pipelines", "stream", "key", "event_time"), "dedup": ("horizon",)}
+BLOCK_KEYS = {"source": ("prefix", "pipeline", "pipelines", "stream", "key", "event_time", *LISTING_KEYS),
+              "dedup": ("horizon",)}
 WATERMARK_KEYS = {"processing_time": ("lag",), "bounded_out_of_orderness": ("bound",), "injector": ("bound",),
                   "percentile": ("percentile", "fallback_lag"), "explicit": ("values",), "perfect": ()}
 
@@ -110,6 +114,8 @@ def pipeline_from_dict(doc: dict[str, Any]) -> PipelineSpec:
     upstream = parse_upstream(source)
     if upstream is not None:
         check_stage(doc, str(doc.get("aggregation", "sum")))
+        if listed := [k for k in LISTING_KEYS if k in source]:
+            raise ValueError(f"source.{listed[0]}: a stage reads its upstreams' panes, it lists no landing prefix")
     spec = PipelineSpec(
         name=name,
         source_prefix=str(source.get("prefix", f"{name}/")),
@@ -125,6 +131,7 @@ def pipeline_from_dict(doc: dict[str, Any]) -> PipelineSpec:
         demo=dict(doc.get("demo") or {}),
         raw=dict(doc),
         upstream=upstream,
+        listing=Listing.from_source(source),
     )
     if doc.get("computation") is not None:  # a MillWheel computation (millpond.model.computation) replaces them
         if doc.get("window") is not None or doc.get("trigger") is not None:

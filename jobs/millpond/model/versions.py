@@ -4,7 +4,7 @@ A batch records the fingerprint of its pipeline's semantic spec and the state fo
 batch compares: a change that reinterprets stored state (window, trigger, accumulation, aggregation, value
 type, computation) stops the pipeline until it is reprocessed under the new spec; a change that is safe by
 construction (a longer allowed lateness, a description, batch interval, watermark policy, demo, dedup
-horizon) is recorded and the pipeline goes on.
+horizon, how the landing prefix is listed) is recorded and the pipeline goes on.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import hashlib
 import json
 from typing import Any
 
+from millpond.model.listing import LISTING_KEYS
 from millpond.model.timeutil import parse_duration
 
 #: the layout of the ``windows`` state and the ``batches`` marker this release writes; an older one is
@@ -21,7 +22,7 @@ STATE_FORMAT = 2
 #: fields whose change reinterprets stored state or emitted panes
 BREAKING = ("value_type", "window", "trigger", "accumulation", "aggregation", "computation", "source")
 #: fields that may change between batches: the next batch records the change and goes on
-SAFE = ("description", "allowed_lateness", "batch_interval", "watermark", "demo", "dedup")
+SAFE = ("description", "allowed_lateness", "batch_interval", "watermark", "demo", "dedup", "listing")
 
 
 def semantic_spec(raw: dict[str, Any]) -> dict[str, Any]:
@@ -33,7 +34,10 @@ def semantic_spec(raw: dict[str, Any]) -> dict[str, Any]:
         "accumulation": raw.get("accumulation", "accumulating"),
         "aggregation": raw.get("aggregation", "sum"),
         "computation": raw.get("computation"),
-        "source": raw.get("source") or {"prefix": f"{raw.get('name')}/"},
+        # how the prefix is listed decides no result: a safe field of its own, not part of the source
+        "source": {k: v for k, v in (raw.get("source") or {"prefix": f"{raw.get('name')}/"}).items()
+                   if k not in LISTING_KEYS},
+        "listing": {k: v for k, v in (raw.get("source") or {}).items() if k in LISTING_KEYS} or None,
         "allowed_lateness": parse_duration(raw.get("allowed_lateness", 0)),
         "batch_interval": parse_duration(raw.get("batch_interval", "5m")),
         "watermark": raw.get("watermark") or {"policy": "processing_time", "lag": 0},

@@ -20,9 +20,11 @@ import pyarrow as pa
 
 from millpond.config import Settings
 from millpond.errors import MillpondError
+from millpond.lake.landing import list_landing
 from millpond.lake.lease import Lease
 from millpond.lake.objectstore import ObjectStore, StoredObject
 from millpond.lake.schemas import BATCHES_SCHEMA, OUTPUT_TABLES, PLAN_SCHEMA, STATE_TABLES
+from millpond.lake.sql import sql_ts
 from millpond.lake.tables import Tables, Txn
 from millpond.model.clock import BatchClock
 from millpond.model.spec import PipelineSpec
@@ -107,10 +109,17 @@ class MicroBatch:
     def ingest_log(self) -> pa.Table:
         return self.tables.read_whole(self.name, "ingest_log", PLAN_SCHEMA)
 
-    def landing(self) -> list[StoredObject]:
-        if self.spec.upstream is not None:  # a stage reads its upstreams' panes, no landing files
-            return []
-        return list(self.store.list(self.settings.bucket_landing, self.spec.source_prefix))
+    def plans_since(self, arrival: int) -> pa.Table:
+        """The plans of the batches after ``arrival`` (and the operator's holds): all a listing from
+        there needs to know which of its files are taken."""
+        rows = self.tables.select(self.name, "ingest_log", f"processing_time >= {sql_ts(arrival)} OR "
+                                  "processing_time IS NULL", schema=PLAN_SCHEMA)
+        return pa.Table.from_arrays([rows.column(f.name).cast(f.type) if f.name in rows.column_names
+                                     else pa.nulls(rows.num_rows, f.type) for f in PLAN_SCHEMA], schema=PLAN_SCHEMA)
+
+    def landing(self, since: int | None) -> list[StoredObject]:
+        """The landing listing (``lake.landing.list_landing``): whole, or from ``since`` on."""
+        return list_landing(self.store, self.settings.bucket_landing, self.spec.source_prefix, since)
 
     # the run -------------------------------------------------------------------------------------
     def run(self, processing_time: datetime | int | str, watermark: datetime | int | str | None = None) -> BatchResult:

@@ -8,6 +8,7 @@ from urllib.parse import urlparse
 
 from millpond.config import Settings
 from millpond.errors import MillpondError
+from millpond.runtime.spark_watchdog import ServerFrozen, watched
 
 _SESSIONS: dict[str, object] = {}
 
@@ -17,7 +18,7 @@ def connect(settings: Settings):
     ``make up`` when nothing answers there."""
     url = settings.spark_connect_url
     session = _SESSIONS.get(url)
-    if session is not None:
+    if session is not None and not session.client.is_closed:  # closed: its server froze (``spark_watchdog``)
         return session
     _probe(url)
     logging.getLogger("pyspark").setLevel(logging.WARNING)
@@ -25,7 +26,10 @@ def connect(settings: Settings):
 
     try:
         session = SparkSession.builder.remote(url).getOrCreate()
-        session.range(1).count()  # the first call is where a missing server shows
+        with watched(session, url, settings.spark_timeout_s):
+            session.range(1).count()  # the first call is where a missing server shows
+    except ServerFrozen:
+        raise
     except Exception as exc:  # noqa: BLE001 - gRPC errors become one line
         text = " ".join(str(exc).split())[:200]
         raise MillpondError(f"Spark Connect server at {url} is not answering: start it with `make up` "

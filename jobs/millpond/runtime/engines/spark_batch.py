@@ -24,6 +24,7 @@ from millpond.model.clock import BatchClock
 from millpond.model.panes import pane_schema
 from millpond.model.state import WINDOWS_SCHEMA
 from millpond.runtime.engines.spark_keys import per_key_step
+from millpond.runtime.spark_watchdog import watched
 from millpond.runtime.steps.read import held_rows
 
 if TYPE_CHECKING:
@@ -237,7 +238,14 @@ def _rewrite_current(job: BatchContext, txn: Txn, clock: BatchClock, out) -> Non
 
 def run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], prev: dict[str, Any] | None, w_in: int,
                  processing_time: int, explicit_watermark, timer) -> tuple[dict[str, int], BatchClock, int | None]:
-    """The batch's read, dedup, watermark, per-key step and writes as Spark jobs; counts, clock, max event time."""
+    """The batch's read, dedup, watermark, per-key step and writes as Spark jobs; counts, clock, max event time.
+    A Connect server that stops answering meanwhile fails the batch within ``spark.timeout``."""
+    with watched(job.spark, job.settings.spark_connect_url, job.settings.spark_timeout_s):
+        return _run_on_spark(job, txn, the_plan, prev, w_in, processing_time, explicit_watermark, timer)
+
+
+def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], prev: dict[str, Any] | None, w_in: int,
+                  processing_time: int, explicit_watermark, timer) -> tuple[dict[str, int], BatchClock, int | None]:
     from millpond.runtime.steps.watermark import clock_for
 
     spark_io.register(job.spark)

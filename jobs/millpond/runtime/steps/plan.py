@@ -13,6 +13,7 @@ from millpond.lake.landing import INPROGRESS, LandingFile, file_arrival, not_inp
 from millpond.lake.objectstore import StoredObject
 from millpond.lake.schemas import PLAN_SCHEMA
 from millpond.lake.tables import Txn
+from millpond.model.listing import FULL
 from millpond.model.panes import TS
 from millpond.model.timeutil import to_us
 from millpond.runtime.assembly import ts_array
@@ -26,11 +27,41 @@ if TYPE_CHECKING:
 
 def read_history(job: BatchContext, processing_time: int) -> dict[str, Any]:
     """What the plan may need, read at once: the committed batches, the plan log, the landing listing and
-    the state tables' versions (a rerun of a crashed batch uses its plan's versions instead)."""
+    the state tables' versions (a rerun of a crashed batch uses its plan's versions instead). A landing
+    source listed incrementally (``model.listing``) reads its listing and the plans it needs once the last
+    marker is known."""
     state = {f"version:{name}": (lambda name=name: job.tables.version(job.name, name)) for name in job.state_tables}
     if job.spec.upstream is not None:  # a stage: its upstreams' last markers instead of a landing listing
         state["upstreams"] = lambda: upstream_marks(job, processing_time)
-    return concurrently({"done": job.committed, "log": job.ingest_log, "landing": job.landing, **state})
+        return concurrently({"done": job.committed, "log": job.ingest_log, "landing": list, **state})
+    if job.spec.listing.mode == FULL:
+        return concurrently({"done": job.committed, "log": job.ingest_log, "landing": lambda: job.landing(None),
+                             **state})
+    found = concurrently({"done": job.committed, **state})
+    return found | listed(job, found["done"], processing_time)
+
+
+def listed(job: BatchContext, done: pa.Table, processing_time: int) -> dict[str, Any]:
+    """The landing listing from the cursor on, and the plans that may have taken what it lists: a listed
+    file was taken, if at all, by a batch whose processing time is after the file's arrival, so the plans
+    since the earliest arrival listed say which are taken. Neither read grows with the pipeline's history
+    (unless its prefix holds files without an arrival tag: those are listed, and their plans read, always)."""
+    last = max(done.column("batch").to_pylist(), default=0)
+    marker = done.filter(pc.field("batch") == last).to_pylist()[0] if last else None
+    previous = to_us(marker["processing_time"]) if marker else None
+    cursor = job.spec.listing.cursor(previous, None, processing_time)
+    if cursor is None:  # the first batch, a full-listing period's first, or before
+        return concurrently({"log": job.ingest_log, "landing": lambda: job.landing(None)})
+    found = concurrently({"log": lambda: job.plans_since(cursor), "landing": lambda: job.landing(cursor)})
+    before = plan_of(found["log"], last)
+    pending = (before or {}).get("versions", {}).get("oldest_pending")
+    held_back = job.spec.listing.cursor(previous, pending, processing_time)
+    if held_back is not None and held_back < cursor:  # a file being written since before the cursor
+        found["landing"] = job.landing(held_back)
+    earliest = min((file_arrival(o) for o in found["landing"]), default=cursor)
+    if earliest < cursor:
+        found["log"] = job.plans_since(earliest)
+    return found
 
 
 def previous_batch(done: pa.Table, processing_time: int) -> tuple[dict[str, Any] | None, str]:
