@@ -27,6 +27,7 @@ from millpond.lake.sql import sql_in, sql_ts
 from millpond.model.panes import pane_schema
 from millpond.model.stages import ALL_KEY, check_upstream
 from millpond.model.timeutil import MIN_TS, to_us
+from millpond.runtime import rewind
 
 if TYPE_CHECKING:
     from millpond.runtime.context import BatchContext
@@ -42,15 +43,26 @@ def upstream_marks(job: BatchContext, processing_time: int) -> dict[str, dict[st
     upstreams have committed them."""
     out: dict[str, dict[str, Any] | None] = {}
     for name in job.spec.upstream.pipelines:
-        done = [r for r in job.tables.read_whole(name, "batches", BATCHES_SCHEMA).to_pylist()
-                if to_us(r["processing_time"]) <= processing_time]
+        epoch, done = _marks_in_one_epoch(job, name, processing_time)
         if not done:
             out[name] = None
             continue
         last = max(done, key=lambda r: r["batch"])
         out[name] = {"batch": last["batch"], "watermark": to_us(last["watermark"]) if last["watermark"] else None,
-                     "panes": json.loads(last["versions"] or "{}").get("panes"), "spec": last.get("spec")}
+                     "panes": json.loads(last["versions"] or "{}").get("panes"), "spec": last.get("spec"),
+                     "epoch": epoch}
     return out
+
+
+def _marks_in_one_epoch(job: BatchContext, name: str, processing_time: int) -> tuple[int, list[dict[str, Any]]]:
+    """The upstream's markers up to the processing time, and the epoch (rewinds so far) they belong to: the
+    epoch is read before and after them, so a rewind that lands in between is not half seen."""
+    while True:
+        epoch = rewind.epoch(job.tables, name)
+        done = [r for r in job.tables.read_whole(name, "batches", BATCHES_SCHEMA).to_pylist()
+                if to_us(r["processing_time"]) <= processing_time]
+        if rewind.epoch(job.tables, name) == epoch:
+            return epoch, done
 
 
 def consumed(log: pa.Table, batch: int, upstream: str) -> int | None:
@@ -70,6 +82,11 @@ def plan_upstreams(job: BatchContext, log: pa.Table, batch: int, marks: dict[str
     for name, mark in marks.items():
         before = consumed(log, batch, name)
         upto = mark["panes"] if mark and mark["panes"] is not None else before
+        if before is not None and upto is not None and upto < before and (
+                (latest := job.tables.version(name, "panes")) is not None and latest > before):
+            # The upstream was rewound to a batch before those consumed: its last marker names the version
+            # that batch wrote, and the rewind's commit holds the same rows again. Read up to that commit.
+            upto = job.tables.rewound(name, "panes", before, latest) or upto
         if before is not None and (upto is None or upto < before):
             raise MillpondError(f"{job.name}: upstream {name}'s panes are at version {upto}, behind version {before} "
                                 f"this pipeline consumed: was {name} reset? Reset {job.name} too (`millpond reset "
@@ -80,7 +97,8 @@ def plan_upstreams(job: BatchContext, log: pa.Table, batch: int, marks: dict[str
         out[f"upstream:{name}"] = upto
         out["upstreams"][name] = {"from": before, "to": upto, "watermark": mark["watermark"] if mark else None,
                                   "batch": mark["batch"] if mark else None,
-                                  "accumulation": spec.get("accumulation", "accumulating")}
+                                  "accumulation": spec.get("accumulation", "accumulating"),
+                                  "epoch": mark["epoch"] if mark else 0}
     return out
 
 
@@ -95,24 +113,42 @@ def read_upstreams(job: BatchContext, plan: dict[str, Any]) -> pa.Table:
     parts = []
     schema = pane_schema(job.spec.value_type)
     for name, rng in (plan["versions"].get("upstreams") or {}).items():
-        if (v := job.tables.rewound(name, "panes", rng["from"], rng["to"])) is not None:
-            raise MillpondError(
-                f"{job.name}: its upstream {name} was reprocessed (its panes were rewound at version {v}), which a "
-                f"stage cannot take as retractions yet: recompute the stage from its upstream's tables with "
-                f"`millpond reset {job.name} --yes` and a backfill (docs/stages.md, 'After an upstream reprocess')")
-        rows = job.tables.read_added(name, "panes", rng["from"], rng["to"], schema)
-        if not rows.num_rows:
-            continue
-        rows = rows.sort_by([("batch", "ascending"), ("seq", "ascending"), ("key", "ascending"),
-                             ("window_start", "ascending"), ("kind", "ascending")])
-        parts.append(pane_elements(job, name, rows, rng))
+        start = rng["from"]
+        while (rewound := job.tables.rewound(name, "panes", start, rng["to"])) is not None:
+            # a reprocess of the upstream: undo what the stage took from the panes it took away
+            undone = removed_panes(job, name, start, rewound, schema)
+            if undone.num_rows:
+                parts.append(pane_elements(job, name, _ordered(undone), {**rng, "to": start}, undo=rewound))
+            start = rewound
+        rows = job.tables.read_added(name, "panes", start, rng["to"], schema)
+        if rows.num_rows:
+            parts.append(pane_elements(job, name, _ordered(rows), rng))
     if not parts:
         return event_schema(job.spec.value_type).empty_table()
     return pa.concat_tables(parts)
 
 
-def pane_elements(job: BatchContext, name: str, rows: pa.Table, rng: dict[str, Any]) -> pa.Table:
-    """One element per pane: what the pane changed in its window's value (``model.stages``)."""
+def _ordered(rows: pa.Table) -> pa.Table:
+    return rows.sort_by([("batch", "ascending"), ("seq", "ascending"), ("key", "ascending"),
+                         ("window_start", "ascending"), ("kind", "ascending")])
+
+
+def removed_panes(job: BatchContext, name: str, consumed_to: int, rewound: int, schema: pa.Schema) -> pa.Table:
+    """The upstream panes this stage consumed (up to version ``consumed_to``) that its rewind at version
+    ``rewound`` took away: a rewind goes back to the end of an earlier batch, so those are the rows of the
+    batches after the last one still there."""
+    kept = job.tables.read_arrow(name, "panes", version=rewound, columns=["batch"])
+    last = pc.max(kept.column("batch")).as_py() if kept.num_rows else None
+    rows = job.tables.select(name, "panes", f"batch > {int(last or 0)}", version=consumed_to, schema=schema)
+    return rows.select(schema.names).cast(schema)
+
+
+def pane_elements(job: BatchContext, name: str, rows: pa.Table, rng: dict[str, Any], undo: int | None = None
+                  ) -> pa.Table:
+    """One element per pane: what the pane changed in its window's value (``model.stages``). ``undo``: the
+    panes were taken away by the upstream's rewind at that version, so each element takes back what the
+    pane gave. Ids name the upstream's epoch (its rewinds so far: a reprocessed pane is a new pane, not a
+    duplicate of the one it replaces), and an undo names its rewind."""
     up = job.spec.upstream
     value = rows.column("value")
     retraction = pc.equal(rows.column("kind"), "retraction")
@@ -120,9 +156,13 @@ def pane_elements(job: BatchContext, name: str, rows: pa.Table, rng: dict[str, A
         value = pc.if_else(retraction, pc.negate(value), value)
     elif rng["accumulation"] == "accumulating":
         value = pc.subtract(value, previous_values(job, name, rows, rng["to"]))
+    if undo is not None:
+        value = pc.negate(value)
+    epoch = rng.get("epoch") or 0
+    tag = (f"undo@{undo}|" if undo is not None else "") + (name if not epoch else f"{name}#{epoch + 1}")
     start, end = (pc.cast(rows.column(c), pa.int64()) for c in ("window_start", "window_end"))
     ids = pc.binary_join_element_wise(
-        pa.array(np.full(rows.num_rows, name, object), pa.string()), rows.column("key"),
+        pa.array(np.full(rows.num_rows, tag, object), pa.string()), rows.column("key"),
         *(pc.cast(c, pa.string()) for c in (start, end, rows.column("pane_index"))), rows.column("kind"), "|")
     key = rows.column("key") if up.key == "keep" else pa.array(np.full(rows.num_rows, ALL_KEY, object), pa.string())
     event_time = start if up.event_time == "window_start" else pc.subtract(end, 1)
