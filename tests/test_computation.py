@@ -220,6 +220,40 @@ def test_zeitgeist_finds_injected_spikes_and_dips(tables, zeitgeist_reference) -
             assert r["batch"] == 1 or marks[r["batch"] - 1] < to_us(r["second"]) + US
 
 
+def test_zeitgeist_as_the_paper_draws_it_a_counter_feeding_the_model(settings, tables, zeitgeist_reference,
+                                                                      pipeline_name) -> None:
+    """MillWheel's Figure 1: a windowed per-second counter (a stage with early panes, discarding) feeds the
+    model computation (``input: counts``), which reads the counter's panes as a stage does. Over the same
+    searches it finds the same anomalies as the one-computation Zeitgeist, in the same batches; its input
+    watermark is the counter's."""
+    counter, model = f"{pipeline_name}_counts", f"{pipeline_name}_model"
+    counts = pipeline_from_dict({
+        "name": counter, "source": {"prefix": f"{zeitgeist_reference}/"}, "window": {"type": "fixed", "size": "1s"},
+        "trigger": "AtWatermark(early=AtCount(5))", "accumulation": "discarding", "aggregation": "count",
+        "batch_interval": "1m", "watermark": {"policy": "processing_time", "lag": "5s"}, "dedup": {"horizon": "10m"}})
+    chain = pipeline_from_dict({
+        "name": model, "source": {"pipeline": counter, "stream": "panes", "event_time": "window_start"},
+        "computation": {"class": "millpond.examples.zeitgeist:Zeitgeist", "input": "counts"},
+        "batch_interval": "1m", "dedup": {"horizon": "10m"}})
+    for b in range(1, BATCHES + 1):
+        run_batch(settings, counts, T0 + timedelta(minutes=b))
+        result = run_batch(settings, chain, T0 + timedelta(minutes=b))
+        counter_mark = tables.read_arrow(counter, "batches").sort_by("batch").to_pylist()[-1]
+        assert result.watermark == counter_mark["watermark"]
+
+    def found(name: str) -> set[tuple]:
+        return {(r["key"], (to_us(r["second"]) - at(0)) // US, r["kind"], r["batch"])
+                for r in tables.read_arrow(name, "anomalies").to_pylist()}
+
+    assert found(model) == found(zeitgeist_reference)
+    assert {(q, s, k) for q, s, k, _ in found(model)} == ({(q, s, "spike") for q, s in SPIKES}
+                                                          | {(q, s, "dip") for q, s in DIPS})
+    panes = tables.read_arrow(counter, "panes")
+    assert set(panes.column("timing").to_pylist()) >= {"EARLY", "ON_TIME"}  # early counts, then the rest
+    with pytest.raises(ValueError, match="input is searches"):
+        load_computation({"class": "millpond.examples.zeitgeist:Zeitgeist", "input": "bytes"})
+
+
 def test_zeitgeist_quiet_on_steady_traffic() -> None:
     """Six minutes of steady traffic for six queries, one-minute batches, in memory: no anomaly."""
     rates = {f"k{i}": 5.0 + 7 * i for i in range(6)}

@@ -18,6 +18,10 @@ learned (within a minute or so) and a lasting outage keeps being reported as dip
 Records for buckets already finalized are dropped and counted (``dropped`` in the state), as
 Zeitgeist does with late data.
 
+As the paper draws it (Figure 1), the counting is its own computation: with ``input: counts`` each record
+is a per-second count (a windowed counter's panes, ``source: {pipeline: ..., stream: panes}``; early panes
+of a discarding counter add up to the second's count as it grows), and the model works on those.
+
 Output: the stream ``anomalies`` (key, second, kind 'spike'|'dip', count, expected, batch), where
 ``count`` is the bucket's count when the spike was seen (spikes) or its final count (dips).
 """
@@ -46,7 +50,12 @@ class Zeitgeist(Computation):
     output_streams = {"anomalies": ANOMALY_SCHEMA}
 
     def __init__(self, k: float = 4.0, alpha: float = 0.05, warmup: int = 30, idle: str | int = "2m",
-                 min_spike: int = 10, bucket: str | int = "1s", clamp: float = 2.0) -> None:
+                 min_spike: int = 10, bucket: str | int = "1s", clamp: float = 2.0, input: str = "searches") -> None:
+        if input not in ("searches", "counts"):
+            raise ValueError("zeitgeist: input is searches (one record per search) or counts (a record's value "
+                             "is a number of searches in its second: a per-second counter's panes)")
+        #: what a record weighs: one search, or its value (the paper's window counter upstream)
+        self.weighs_value = input == "counts"
         self.k = float(k)
         self.clamp = float(clamp)
         self.alpha = float(alpha)
@@ -88,7 +97,7 @@ class Zeitgeist(Computation):
             st["dropped"] = st.get("dropped", 0) + 1  # its bucket was already judged
             return
         counts = st.setdefault("counts", {})
-        c = counts[str(b)] = counts.get(str(b), 0) + 1
+        c = counts[str(b)] = counts.get(str(b), 0) + (int(record.value) if self.weighs_value else 1)
         st["last_seen"] = max(st.get("last_seen", b), b)
         if ctx.timer(TAG) is None:  # idle or new: the chain starts at this bucket
             st["final"] = b

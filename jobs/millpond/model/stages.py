@@ -11,7 +11,8 @@ instead of ``source: {prefix: ...}``. Each upstream pane becomes one downstream 
   minus the window's previous pane's value; over a ``discarding`` upstream a pane adds its value.
 
 A regrouping consumer must undo what it took from a pane that changed, so the downstream aggregation must
-be additive (``sum``, or a Combiner with ``additive = True``). An ``accumulating`` upstream with merging
+be additive (``sum``, or a Combiner with ``additive = True``), or the stage a MillWheel computation, which
+takes the elements as its records (Zeitgeist's model over its window counter). An ``accumulating`` upstream with merging
 windows (sessions) cannot be undone (a merge retracts nothing) and is refused: use
 ``accumulating_and_retracting``. These rules are pure; ``runtime.steps.upstream`` reads the panes.
 """
@@ -69,15 +70,14 @@ def parse_upstream(source: Mapping[str, Any]) -> Upstream | None:
 
 
 def check_stage(doc: Mapping[str, Any], aggregation: str) -> None:
-    """What a stage's own file must say: an additive aggregation, no computation, no watermark policy."""
+    """What a stage's own file must say: an additive aggregation (a computation takes the elements as
+    records instead, MillWheel's downstream computation), no watermark policy."""
     comb = combiner(aggregation)
-    if not getattr(comb, "additive", False):
+    if doc.get("computation") is None and not getattr(comb, "additive", False):
         raise ValueError(
             f"aggregation {aggregation!r} cannot read an upstream's panes: they arrive as additions and "
             "retractions (negative values), which only an additive aggregation takes (sum, or a Combiner with "
             "additive = True)")
-    if doc.get("computation") is not None:
-        raise ValueError("a computation pipeline reads landing files: source.pipeline is for windowed pipelines")
     if doc.get("watermark") is not None:
         raise ValueError("a pipeline with an upstream source takes its input watermark from its upstreams "
                          "(the least of their committed watermarks): remove its watermark block")
