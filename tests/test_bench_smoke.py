@@ -18,7 +18,8 @@ pytestmark = pytest.mark.timeout(120)
 
 SMOKE = Plan("smoke", session_sizes=(2_000,), fixed_sizes=(), spark_path_events=0, stream_events=0, beam=False,
              structured_streaming=False, over_time_batches=5, over_time_events=200, over_time_keys=50,
-             over_time_repeats=2, tiny_events=200, tiny_runs=2, validation_events=0)
+             over_time_repeats=2, tiny_events=200, tiny_runs=2, validation_events=0,
+             flink_events=0)
 
 
 def test_workload_lands_as_valid_jsonl() -> None:
