@@ -16,6 +16,8 @@ measures:
   session_window, append mode, each batch written to Delta through delta-rs in foreachBatch);
 - Apache Beam's Python BundleBasedDirectRunner with TestStream, one bundle per micro-batch
   (``tests/reference``; its own virtualenv);
+- Apache Flink 2.x: a DataStream job on the ``apache-flink`` wheel's jars, local mini-cluster, sessions with
+  early/on-time/late panes and retractions (``tests/reference/flink_bench.py``; its own virtualenv);
 - peak RSS of this process plus its children (Spark JVM, Python workers, Beam), store excluded.
 
 Results: a table of ratios on stdout and ``bench/results.json`` (see ``bench/README.md``).
@@ -785,19 +787,20 @@ class Bench:
             return
         wl = self.workload(n, self.plan.keys(n))
         self.log(f"Flink: {wl.input_events} events in one batch, {wl.spec.keys} keys, sessions")
-        runs = [self.run_ours(self.pipeline("sessions", wl), wl, "driver")]
-        self.log(f"  ours {runs[0]['seconds']}s")
+        runs = [self._ours_with_cpu(self.pipeline("sessions", wl), wl)]
+        self.log(f"  ours {runs[0]['seconds']}s ({runs[0]['cpu_s']} CPU s)")
         try:
             flink = self.flink(wl)
         except Exception as exc:  # noqa: BLE001 - a peer failing must not lose our figures
             self.notes.append(f"Flink peer failed: {exc}")
             self.log(f"  Flink failed: {exc}")
             return
-        self.log(f"  Flink {flink['seconds']}s net ({flink['wall_s']}s with its mini-cluster's start), "
+        self.log(f"  Flink {flink['seconds']}s net ({flink['wall_s']}s with its mini-cluster's start; "
+                 f"{flink['cpu_s']} CPU s), "
                  f"{flink['panes']} panes, {flink['retractions']} retractions")
         spec = self.pipeline("sessions", wl)
-        runs.append(self.run_ours(spec, wl, "driver"))
-        self.log(f"  ours {runs[1]['seconds']}s")
+        runs.append(self._ours_with_cpu(spec, wl))
+        self.log(f"  ours {runs[1]['seconds']}s ({runs[1]['cpu_s']} CPU s)")
         check = self.session_sums_check(wl, spec, flink.pop("final"))
         self.log(f"  check: {check['vs_bare_spark']['different_sums']} of {check['vs_bare_spark']['matched']} "
                  f"sessions differ from bare Spark, {check['vs_ours_current']['different_sums']} of "
@@ -811,13 +814,25 @@ class Bench:
                     "sum, retractions", "events/s", False, path=ours["path_ran"], events=wl.input_events,
                     keys=wl.spec.keys, ours_seconds=ours["seconds"], ours_runs_seconds=[r["seconds"] for r in runs],
                     peer_seconds=flink["seconds"], peer_wall_seconds=flink["wall_s"],
+                    ours_cpu_s=ours["cpu_s"], peer_cpu_s=flink["cpu_s"],
                     sums_equal_bare_spark=check["vs_bare_spark"]["different_sums"] == 0
                     and check["vs_bare_spark"]["missing_in_flink"] == 0,
                     notes="ours as sessions_1m_vs_spark (one batch, driver path; the slower of a run before and "
                           "one after Flink's); Flink: the job's net runtime (no JVM or mini-cluster start; "
                           "peer_wall_seconds includes the mini-cluster's start), reading a local copy of the landing "
                           "files, its watermark advancing continuously to +inf at end of input (all sessions "
-                          "fire), panes to local files")
+                          "fire), panes to local files. CPU seconds (load-independent): ours = this process and its "
+                          "forked per-key workers (the object store's excluded); Flink = its JVM over execute() "
+                          "(mini-cluster start, JIT and GC included)")
+
+    def _ours_with_cpu(self, spec: PipelineSpec, wl: Workload) -> dict[str, Any]:
+        """``run_ours`` on the driver path, plus the CPU seconds of this process and of the per-key step's
+        forked workers (reaped by the end of the batch, so ``os.times`` counts them)."""
+        before = os.times()
+        res = self.run_ours(spec, wl, "driver")
+        after = os.times()
+        res["cpu_s"] = round(sum(after[:4]) - sum(before[:4]), 3)
+        return res
 
     def run_all(self) -> None:
         steps = [self.measure_tiny, self.measure_sessions_scaling, self.measure_fixed, self.measure_spark_path,

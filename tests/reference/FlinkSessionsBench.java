@@ -17,11 +17,13 @@
  *
  * Usage: FlinkSessionsBench INPUT_DIR OUT_DIR PARALLELISM GAP_MS LAG_MS EARLY_DELAY_MS LATENESS_MS
  * Prints one JSON line: wall_s (execute() call, includes the mini-cluster's start), net_runtime_s
- * (the job's own runtime as the JobManager reports it).
+ * (the job's own runtime as the JobManager reports it), cpu_s (this JVM's CPU time over execute(), all
+ * threads: the mini-cluster's start, JIT and GC included).
  */
 
 import java.io.BufferedWriter;
 import java.io.IOException;
+import java.lang.management.ManagementFactory;
 import java.nio.file.Files;
 import java.nio.file.Paths;
 import java.time.Duration;
@@ -364,10 +366,14 @@ public class FlinkSessionsBench {
                 .sinkTo(new PaneFiles(outDir))
                 .name("pane files");
 
+        com.sun.management.OperatingSystemMXBean os =
+                (com.sun.management.OperatingSystemMXBean) ManagementFactory.getOperatingSystemMXBean();
+        long cpu = os.getProcessCpuTime();
         long started = System.nanoTime();
         JobExecutionResult result = env.execute("millpond-bench-flink-sessions");
         double wall = (System.nanoTime() - started) / 1e9;
+        double cpuS = (os.getProcessCpuTime() - cpu) / 1e9;
         double net = result.getNetRuntime(TimeUnit.MILLISECONDS) / 1e3;
-        System.out.println("{\"wall_s\": " + wall + ", \"net_runtime_s\": " + net + "}");
+        System.out.println("{\"wall_s\": " + wall + ", \"net_runtime_s\": " + net + ", \"cpu_s\": " + cpuS + "}");
     }
 }

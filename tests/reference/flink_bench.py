@@ -12,7 +12,8 @@ cached beside the venv), on a local mini-cluster, reading DIR's JSONL files (the
 
 Prints one JSON object: ``seconds`` (the job's net runtime as Flink's JobManager reports it: from
 submission to the last pane written; excludes interpreter and JVM start and the mini-cluster's
-start-up), ``wall_s`` (the ``execute()`` call: includes the mini-cluster's start), pane counts, and
+start-up), ``wall_s`` (the ``execute()`` call: includes the mini-cluster's start), ``cpu_s`` (the JVM's CPU
+seconds over that call, all threads), pane counts, and
 writes ``final.tsv`` to DIR (key, window start ms, window end ms, sum: each window's last pane after
 retractions), for the harness to compare with other systems.
 """
@@ -144,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     timing = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
     events = sum(1 for p in Path(args.input).glob("*.jsonl") for _ in p.open("rb"))
-    print(json.dumps({"seconds": timing["net_runtime_s"], "wall_s": round(timing["wall_s"], 3), "events": events,
+    print(json.dumps({"seconds": timing["net_runtime_s"], "wall_s": round(timing["wall_s"], 3),
+                      "cpu_s": round(timing["cpu_s"], 3), "events": events,
                       "parallelism": args.parallelism, "flink": pyflink.version.__version__,
                       **final_windows(out)}))
     return 0
