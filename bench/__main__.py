@@ -18,6 +18,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
     size.add_argument("--quick", action="store_true", help="~3-minute smoke (small sizes); writes var/bench/")
     size.add_argument("--full", action="store_true", help="add 10M events (long; needs several GiB of memory)")
     p.add_argument("--no-beam", action="store_true", help="skip the Beam peer (its venv is built on first use)")
+    p.add_argument("--no-flink", action="store_true", help="skip the Flink peer (its venv is built on first use)")
+    p.add_argument("--only", action="append", metavar="MEASURE",
+                   help="run only this measure method (e.g. measure_flink; repeatable)")
     p.add_argument("--out", help="results JSON (default bench/results.json; var/bench/results-quick.json for --quick)")
 
 
@@ -28,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = PLANS["quick" if args.quick else "full" if args.full else "default"]
     if args.no_beam:
         plan = replace(plan, beam=False)
+    if args.no_flink:
+        plan = replace(plan, flink_events=0)
     default_out = (PROJECT_ROOT / "var/bench/results-quick.json") if args.quick else (
         PROJECT_ROOT / "bench/results.json")
     out = Path(args.out) if args.out else default_out
@@ -36,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - started:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    doc = main_bench(plan, out, log=log)
+    doc = main_bench(plan, out, log=log, steps=args.only)
     print(ratio_table(doc["records"]))
     for note in doc["notes"]:
         print(f"note: {note}")

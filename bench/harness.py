@@ -16,6 +16,8 @@ measures:
   session_window, append mode, each batch written to Delta through delta-rs in foreachBatch);
 - Apache Beam's Python BundleBasedDirectRunner with TestStream, one bundle per micro-batch
   (``tests/reference``; its own virtualenv);
+- Apache Flink 2.x: a DataStream job on the ``apache-flink`` wheel's jars, local mini-cluster, sessions with
+  early/on-time/late panes and retractions (``tests/reference/flink_bench.py``; its own virtualenv);
 - peak RSS of this process plus its children (Spark JVM, Python workers, Beam), store excluded.
 
 Results: a table of ratios on stdout and ``bench/results.json`` (see ``bench/README.md``).
@@ -43,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
 import pyarrow.json as pjson
 from millpond.config import PROJECT_ROOT, Settings, load_settings
 from millpond.lake.objectstore import ObjectStore
@@ -123,6 +127,8 @@ class Plan:
     #: pipelines) before the first, between them and after the last. Our median against Beam's mean.
     beam_runs: int = 2
     beam_repeats: int = 2
+    #: `sessions_1m_vs_flink`: the `sessions_1m_vs_spark` workload through Flink 2.x (own venv); 0 = skip
+    flink_events: int = 1_000_000
     tiny_events: int = 1_000
     tiny_runs: int = 7
     validation_events: int = 100_000
@@ -138,7 +144,7 @@ PLANS = {
     "quick": Plan("quick", session_sizes=(10_000, 50_000), fixed_sizes=(50_000,), spark_path_events=10_000,
                   stream_events=10_000, stream_batches=4, over_time_batches=12, over_time_events=500,
                   over_time_keys=500, over_time_repeats=1, beam_runs=1, beam_repeats=1, tiny_runs=4,
-                  validation_events=10_000, long_history_batches=60),
+                  validation_events=10_000, long_history_batches=60, flink_events=50_000),
     "default": Plan("default"),
     "full": Plan("full", session_sizes=(10_000, 100_000, 1_000_000, 10_000_000)),
 }
@@ -439,6 +445,67 @@ class Bench:
             raise RuntimeError(f"Beam run failed ({proc.returncode}): {tail}")
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         return {**out, "events_per_s": round(out["events"] / out["seconds"], 1), **mem}
+
+    def flink(self, wl: Workload) -> dict[str, Any]:
+        """The Flink peer (own venv; ``tests/reference/flink_bench.py``) on a local copy of the workload's
+        landing files: sessions with early, on-time and late panes and retractions. ``seconds`` is the
+        job's net runtime (no interpreter, JVM or mini-cluster start); ``final`` its windows' last values."""
+        spec_mod = importlib.util.spec_from_file_location("millpond_flink_env", REFERENCE / "flink_env.py")
+        flink_env = importlib.util.module_from_spec(spec_mod)
+        spec_mod.loader.exec_module(flink_env)
+        python = flink_env.ensure_flink_python(log=self.log)
+        folder = self.workdir / f"flink-{wl.label}-{uuid.uuid4().hex[:6]}"
+        write_local(wl.spec, wl.events, folder / "landing")  # the landed files, byte for byte
+        wl.table = None  # regenerated on demand: not held through the runs
+        (folder / "pipeline.json").write_text(json.dumps({**SESSIONS, "name": "bench_flink"}))
+        cmd = [str(python), str(REFERENCE / "flink_bench.py"), "--pipeline", str(folder / "pipeline.json"),
+               "--input", str(folder / "landing"), "--out", str(folder / "out"), "--parallelism",
+               str(os.cpu_count() or 1)]
+        try:
+            with self.memory() as mem:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+            if proc.returncode != 0:
+                tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+                raise RuntimeError(f"Flink run failed ({proc.returncode}): {tail}")
+            out = json.loads(proc.stdout.strip().splitlines()[-1])
+            final = pacsv.read_csv(folder / "out" / "final.tsv", parse_options=pacsv.ParseOptions(delimiter="\t"),
+                                   convert_options=pacsv.ConvertOptions(column_types={"key": pa.string()}))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return {**out, "events_per_s": round(out["events"] / out["seconds"], 1), "final": final, **mem}
+
+    def session_sums_check(self, wl: Workload, spec: PipelineSpec, flink: pa.Table) -> dict[str, Any]:
+        """Flink's final session sums against bare Spark's (all sessions of the deduplicated events) and
+        against our ``current`` view (the windows our one batch fired; their panes hold every event of the
+        batch, so their values are final too). Windows match on (key, start in ms): Flink's time is ms."""
+        from millpond.lake.tables import Tables
+        from pyspark.sql import functions as F
+
+        def keyed(table: pa.Table, start: str, value: str) -> dict[tuple[str, int], int]:
+            starts = table.column(start)
+            if pa.types.is_timestamp(starts.type):
+                starts = pc.divide(starts.cast(pa.timestamp("us", tz="UTC")).cast(pa.int64()), 1000)
+            return dict(zip(zip(table.column("key").to_pylist(), starts.to_pylist(), strict=True),
+                            table.column(value).to_pylist(), strict=True))
+
+        fl = keyed(flink, "start_ms", "value")
+        bare = self.spark.createDataFrame(self.read_landing(wl)).dropDuplicates(["id"]).groupBy(
+            "key", F.session_window("event_time", GAP)).agg(F.sum("value").alias("value")).select(
+            "key", F.col("session_window.start").alias("start"), "value").toArrow()
+        sp = keyed(bare, "start", "value")
+        ours = keyed(Tables(self.settings).read_arrow(spec.name, "current", columns=["key", "window_start", "value"]),
+                     "window_start", "value")
+
+        def compare(other: dict[tuple[str, int], int], all_of_flink: bool) -> dict[str, Any]:
+            common = other.keys() & fl.keys()
+            differ = [k for k in common if other[k] != fl[k]]
+            return {"windows": len(other), "matched": len(common), "equal_sums": len(common) - len(differ),
+                    "different_sums": len(differ), "examples": [[k[0], k[1], other[k], fl[k]] for k in differ[:5]],
+                    "missing_in_flink": len(other.keys() - fl.keys()),
+                    **({"missing_in_other": len(fl.keys() - other.keys())} if all_of_flink else {})}
+
+        return {"flink_windows": len(fl), "vs_bare_spark": compare(sp, True), "vs_ours_current": compare(ours, False),
+                "sum_flink": sum(fl.values()), "sum_bare_spark": sum(sp.values())}
 
     # records ----------------------------------------------------------------------------------
     def record(self, measure: str, ours: float | None, peer: float | None, peer_name: str | None, unit: str,
@@ -760,10 +827,66 @@ class Bench:
                           "a fresh pipeline run between them; full_listing_batch_seconds: the once-a-day batches "
                           "that list the whole prefix")
 
+    def measure_flink(self) -> None:
+        """Flink 2.x on the `sessions_1m_vs_spark` events: ours measured as there (one batch, driver path),
+        once before and once after Flink (the slower counts); Flink's final sums checked against ours
+        and bare Spark's."""
+        n = self.plan.flink_events
+        if not n:
+            return
+        wl = self.workload(n, self.plan.keys(n))
+        self.log(f"Flink: {wl.input_events} events in one batch, {wl.spec.keys} keys, sessions")
+        runs = [self._ours_with_cpu(self.pipeline("sessions", wl), wl)]
+        self.log(f"  ours {runs[0]['seconds']}s ({runs[0]['cpu_s']} CPU s)")
+        try:
+            flink = self.flink(wl)
+        except Exception as exc:  # noqa: BLE001 - a peer failing must not lose our figures
+            self.notes.append(f"Flink peer failed: {exc}")
+            self.log(f"  Flink failed: {exc}")
+            return
+        self.log(f"  Flink {flink['seconds']}s net ({flink['wall_s']}s with its mini-cluster's start; "
+                 f"{flink['cpu_s']} CPU s), "
+                 f"{flink['panes']} panes, {flink['retractions']} retractions")
+        spec = self.pipeline("sessions", wl)
+        runs.append(self._ours_with_cpu(spec, wl))
+        self.log(f"  ours {runs[1]['seconds']}s ({runs[1]['cpu_s']} CPU s)")
+        check = self.session_sums_check(wl, spec, flink.pop("final"))
+        self.log(f"  check: {check['vs_bare_spark']['different_sums']} of {check['vs_bare_spark']['matched']} "
+                 f"sessions differ from bare Spark, {check['vs_ours_current']['different_sums']} of "
+                 f"{check['vs_ours_current']['matched']} from ours")
+        ours = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]  # of two, the slower
+        self.measures["flink"] = {"events": wl.input_events, "ours": ours,
+                                  "ours_runs_seconds": [r["seconds"] for r in runs], "flink": flink, "check": check}
+        self.record(f"sessions_{_size(n)}_vs_flink", ours["events_per_s"], flink["events_per_s"],
+                    f"Apache Flink {flink['flink']} DataStream on a local mini-cluster (parallelism "
+                    f"{flink['parallelism']}): session windows + allowed lateness, early/on-time/late trigger, "
+                    "sum, retractions", "events/s", False, path=ours["path_ran"], events=wl.input_events,
+                    keys=wl.spec.keys, ours_seconds=ours["seconds"], ours_runs_seconds=[r["seconds"] for r in runs],
+                    peer_seconds=flink["seconds"], peer_wall_seconds=flink["wall_s"],
+                    ours_cpu_s=ours["cpu_s"], peer_cpu_s=flink["cpu_s"],
+                    sums_equal_bare_spark=check["vs_bare_spark"]["different_sums"] == 0
+                    and check["vs_bare_spark"]["missing_in_flink"] == 0,
+                    notes="ours as sessions_1m_vs_spark (one batch, driver path; the slower of a run before and "
+                          "one after Flink's); Flink: the job's net runtime (no JVM or mini-cluster start; "
+                          "peer_wall_seconds includes the mini-cluster's start), reading a local copy of the landing "
+                          "files, its watermark advancing continuously to +inf at end of input (all sessions "
+                          "fire), panes to local files. CPU seconds (load-independent): ours = this process and its "
+                          "forked per-key workers (the object store's excluded); Flink = its JVM over execute() "
+                          "(mini-cluster start, JIT and GC included)")
+
+    def _ours_with_cpu(self, spec: PipelineSpec, wl: Workload) -> dict[str, Any]:
+        """``run_ours`` on the driver path, plus the CPU seconds of this process and of the per-key step's
+        forked workers (reaped by the end of the batch, so ``os.times`` counts them)."""
+        before = os.times()
+        res = self.run_ours(spec, wl, "driver")
+        after = os.times()
+        res["cpu_s"] = round(sum(after[:4]) - sum(before[:4]), 3)
+        return res
+
     def run_all(self) -> None:
         steps = [self.measure_tiny, self.measure_sessions_scaling, self.measure_fixed, self.measure_spark_path,
                  self.measure_beam, self.measure_streaming, self.measure_over_time, self.measure_validation,
-                 self.measure_long_history]
+                 self.measure_long_history, self.measure_flink]
         for step in steps:
             t = time.perf_counter()
             step()
@@ -806,17 +929,21 @@ def machine() -> dict[str, Any]:
     for mod in ("pyspark", "deltalake", "pyarrow", "pandas", "numpy"):
         with contextlib.suppress(Exception):
             versions[mod] = __import__(mod).__version__
-    beam = "unknown"
-    with contextlib.suppress(OSError):
-        for line in (REFERENCE / "requirements-beam.txt").read_text().splitlines():
-            if line.startswith("apache-beam=="):
-                beam = line.split("==", 1)[1]
+    def pinned(requirements: str, package: str) -> str:
+        with contextlib.suppress(OSError):
+            for line in (REFERENCE / requirements).read_text().splitlines():
+                if line.startswith(f"{package}=="):
+                    return line.split("==", 1)[1]
+        return "unknown"
+
+    beam = pinned("requirements-beam.txt", "apache-beam")
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / GIB, 1),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "os": platform.platform(), "python": platform.python_version(), "java": java,
         "spark": versions.get("pyspark"), "versions": versions, "beam": beam,
+        "flink": pinned("requirements-flink.txt", "apache-flink"),
         "local_threshold": SPARK_FROM,
     }
 
@@ -864,7 +991,8 @@ def run_bench(settings: Settings, plan: Plan, spark, workdir: Path, log: Callabl
     }
 
 
-def main_bench(plan: Plan, out: Path | None, log: Callable[[str], None] = print) -> dict:
+def main_bench(plan: Plan, out: Path | None, log: Callable[[str], None] = print,
+               steps: list[str] | None = None) -> dict:
     """Start a private store (and a SparkSession), run, stop everything, write ``out``."""
     home = Path(tempfile.mkdtemp(prefix="millpond-bench-"))
     env = isolated_store_env(home)
@@ -884,7 +1012,8 @@ def main_bench(plan: Plan, out: Path | None, log: Callable[[str], None] = print)
         t = time.perf_counter()
         spark = get_spark(settings, "millpond-bench")
         log(f"SparkSession up in {time.perf_counter() - t:.1f}s")
-        doc = run_bench(settings, plan, spark, home / "work", log=log, exclude_root=lambda: read_pid(store.pidfile))
+        doc = run_bench(settings, plan, spark, home / "work", log=log, exclude_root=lambda: read_pid(store.pidfile),
+                        steps=steps)
     finally:
         if spark is not None:
             spark.stop()

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.timeout(120)
 
 SMOKE = Plan("smoke", session_sizes=(2_000,), fixed_sizes=(), spark_path_events=0, stream_events=0, beam=False,
              structured_streaming=False, over_time_batches=5, over_time_events=200, over_time_keys=50,
-             over_time_repeats=2, tiny_events=200, tiny_runs=2, validation_events=0)
+             over_time_repeats=2, tiny_events=200, tiny_runs=2, validation_events=0,
+             flink_events=0, long_history_batches=12, long_history_events=10)
 
 
 def test_workload_lands_as_valid_jsonl() -> None:
@@ -38,7 +39,7 @@ def test_bench_smoke(settings, spark, tmp_path) -> None:
     assert doc["machine"]["cores"] and doc["machine"]["spark"]
     records = {r["measure"]: r for r in doc["records"]}
     for measure in ("tiny_batch_s", "sessions_2k_vs_spark", "sessions_1m_vs_spark", "peak_mem_10m_gib",
-                    "batch5_vs_batch5"):
+                    "batch5_vs_batch5", "batch12_vs_batch5"):
         rec = records[measure]
         assert set(rec) >= {"measure", "ours", "peer", "peer_name", "unit", "lower_is_better"}
         assert isinstance(rec["ours"], float | int) and rec["ours"] > 0, rec

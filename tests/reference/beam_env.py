@@ -58,20 +58,27 @@ def ensure_beam_python(log=None) -> Path:
     override = os.environ.get("MILLPOND_BEAM_PYTHON")
     if override:
         return Path(override)
-    venv = venv_dir()
+    return _python_in(build_venv(REQUIREMENTS, VENV_ROOT, "Beam", BeamEnvError, log))
+
+
+def build_venv(requirements: Path, root: Path, label: str, error: type[Exception] = RuntimeError, log=None) -> Path:
+    """The virtualenv ``root/<hash of requirements>``, built once with ``python3.11 -m venv`` and pip.
+
+    Shared by the reference peers (``flink_env.py`` too): each has its own pins and its own root."""
+    venv = root / hashlib.sha256(requirements.read_bytes()).hexdigest()[:12]
     if _ready(venv):
-        return _python_in(venv)
-    VENV_ROOT.mkdir(parents=True, exist_ok=True)
-    with open(VENV_ROOT / ".lock", "w") as lock:
+        return venv
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time (parallel test sessions)
         if _ready(venv):
-            return _python_in(venv)
+            return venv
         started = time.monotonic()
         build = venv.with_name(venv.name + ".building")
         shutil.rmtree(build, ignore_errors=True)
         base = os.environ.get("MILLPOND_PYTHON311", "python3.11")
         if shutil.which(base) is None and not Path(base).exists():
-            raise BeamEnvError(f"{base} not found: the Beam reference venv needs Python 3.11")
+            raise error(f"{base} not found: the {label} reference venv needs Python 3.11")
         steps = [
             [base, "-m", "venv", str(build)],
             [
@@ -82,7 +89,7 @@ def ensure_beam_python(log=None) -> Path:
                 "--quiet",
                 "--disable-pip-version-check",
                 "-r",
-                str(REQUIREMENTS),
+                str(requirements),
             ],
         ]
         env = dict(os.environ, PIP_NO_INPUT="1")
@@ -91,17 +98,17 @@ def ensure_beam_python(log=None) -> Path:
             if proc.returncode != 0:
                 shutil.rmtree(build, ignore_errors=True)
                 tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-                raise BeamEnvError(f"`{' '.join(cmd[:4])} ...` failed ({proc.returncode}):\n{tail}")
+                raise error(f"`{' '.join(cmd[:4])} ...` failed ({proc.returncode}):\n{tail}")
         (build / ".complete").write_text(f"{time.monotonic() - started:.1f}s\n")
         # venvs hard-code their path in scripts, but `bin/python` works after a rename
         shutil.rmtree(venv, ignore_errors=True)
         build.rename(venv)
-        for stale in VENV_ROOT.iterdir():  # older pins
+        for stale in root.iterdir():  # older pins
             if stale.is_dir() and stale != venv and not stale.name.endswith(".building"):
                 shutil.rmtree(stale, ignore_errors=True)
         if log:
-            log(f"created Beam venv {venv} in {time.monotonic() - started:.1f}s")
-    return _python_in(venv)
+            log(f"created {label} venv {venv} in {time.monotonic() - started:.1f}s")
+    return venv
 
 
 def main() -> int:
