@@ -14,7 +14,7 @@ from millpond.lake.landing import parse_file
 from bench.harness import Plan, ratio_table, run_bench
 from bench.workload import WorkloadSpec, generate, jsonl_bytes
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 SMOKE = Plan("smoke", session_sizes=(2_000,), fixed_sizes=(), spark_path_events=0, stream_events=0, beam=False,
              structured_streaming=False, over_time_batches=5, over_time_events=200, over_time_keys=50,
