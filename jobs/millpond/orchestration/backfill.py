@@ -24,7 +24,7 @@ from urllib.parse import quote, urlencode
 from millpond.config import Settings
 from millpond.errors import MillpondError
 from millpond.orchestration.airflow_stack import AirflowStack
-from millpond.orchestration.dagfactory import DAG_PREFIX, pipelines_dir, read_pipeline_info
+from millpond.orchestration.dagfactory import DAG_PREFIX, TASK_ID, pipelines_dir, read_pipeline_info
 
 TERMINAL = {"success", "failed"}
 
@@ -144,7 +144,7 @@ class Backfill:
         return self.api("GET", f"/dags/{self.dag_id}/dagRuns?{query}")["dag_runs"]
 
     def batch_summary(self, run_id: str) -> dict[str, Any] | None:
-        path = (f"/dags/{self.dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/process_microbatch"
+        path = (f"/dags/{self.dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{TASK_ID}"
                 "/xcomEntries/return_value?deserialize=true")
         for attempt in range(3):  # the XCom can lag the run's state by a moment
             try:
