@@ -11,7 +11,8 @@ processing time already committed), so retries and re-runs are safe.
 
 Why one task: a run used to be four (``ingest -> process_microbatch -> validate -> publish``), but only
 the batch did work: landing demo events is a put, validation runs inside the batch (before its commits,
-so a critical failure publishes nothing), and the Data Docs upload sends only what changed. Each task
+so a critical failure publishes nothing), and the Data Docs upload sends only what changed (the batch's
+pages are rendered after its commit, with the upload: rendering checks nothing). Each task
 cost a process start, its imports and the scheduler's latency, several times what a small batch takes,
 and the extra tasks only passed XComs along. Folded into one, the run does the same steps in the same
 order in one process. A Data Docs upload that fails after the commit is a warning, not a failed task:
@@ -179,7 +180,7 @@ def quality_summary(report: Any, settings: Settings) -> dict[str, Any]:
     """The batch's data-quality report as a JSON-safe XCom value, with links a user can open."""
     if report is None:
         return {"validated": False}
-    pages = list(report.result_urls)[:6]
+    pages = list(report.pages)[:6]
     return {"validated": True, "ok": report.ok, "warnings": list(report.warnings)[:20],
             "summary": report.summary(), "results": pages,
             "published": f"s3://{settings.bucket_reports}/data_docs/index.html"}
@@ -197,8 +198,8 @@ def summarize(result: Any) -> dict[str, Any]:
     }
 
 
-def publish_docs(settings: Settings, quality: dict[str, Any]) -> dict[str, Any]:
-    """Upload the Data Docs that changed (this batch's validation pages, the index) after the batch committed.
+def publish_docs(settings: Settings) -> dict[str, Any]:
+    """Render this batch's Data Docs pages and the index, and upload what changed, after the batch committed.
 
     A failure is logged and reported, never raised: the batch is committed and its Assets' events must go
     out; the next publish sends what this one missed (the manifest only records what was uploaded)."""
@@ -252,7 +253,9 @@ def run_microbatch(info: PipelineInfo, context: dict[str, Any], assets: list[Any
     if quality.get("validated") or (summary.get("skipped") and "reason" not in summary and not params.get("dry_run")):
         # validated, or a rerun of a committed batch (e.g. a retry after its first attempt was killed
         # before the upload): the pages are local, the manifest says what is still to send
-        summary["data_docs"] = publish_docs(s, quality)
+        summary["data_docs"] = publish_docs(s)
+    if quality.get("validated"):
+        log_quality(name, summary)
     if progress := summary.get("backfill"):
         log.info("backfill progress for %s: %d/%d batches done", name, progress["done"], progress["total"])
     return {"pipeline": name, **summary}
@@ -297,7 +300,9 @@ def _batch(info: PipelineInfo, s: Settings, context: dict[str, Any], start: date
     # nothing committed. The lease's owner is this DAG run: a retry of it (a new process) takes the lease back
     # at once, while a killed attempt that still runs somewhere is fenced by the lease's token.
     owner = f"airflow/{info.dag_id}/{getattr(run, 'run_id', None) or _iso(end)}"
-    result = run_batch(s, load_spec(s, name), end, watermark=watermark, spark=spark, owner=owner, validate=True)
+    # Its Data Docs pages are rendered after the commit, with the publish: rendering checks nothing.
+    result = run_batch(s, load_spec(s, name), end, watermark=watermark, spark=spark, owner=owner, validate=True,
+                       render_docs=False)
     summary = summarize(result)
     summary["quality"] = quality_summary(result.quality, s)
     counts = summary["counts"]
@@ -310,8 +315,6 @@ def _batch(info: PipelineInfo, s: Settings, context: dict[str, Any], start: date
         counts.get("input"), counts.get("accepted"), counts.get("late"), counts.get("panes"),
         summary["watermark"], summary["phases"],
     )
-    if summary["quality"].get("validated"):
-        log_quality(name, summary)
     if progress:
         summary["backfill"] = {"done": progress[0], "total": progress[1]}
     return summary
