@@ -17,6 +17,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="~3-minute smoke (small sizes); writes var/bench/")
     size.add_argument("--full", action="store_true", help="add 10M events (long; needs several GiB of memory)")
+    p.add_argument("--airflow", action="store_true",
+                   help="add airflow_dag_run_1k_s: DAG runs in a private Airflow (~1 minute to start; --full has it)")
     p.add_argument("--no-beam", action="store_true", help="skip the Beam peer (its venv is built on first use)")
     p.add_argument("--no-flink", action="store_true", help="skip the Flink peer (its venv is built on first use)")
     p.add_argument("--only", action="append", metavar="MEASURE",
@@ -33,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, beam=False)
     if args.no_flink:
         plan = replace(plan, flink_events=0)
+    if args.airflow:
+        plan = replace(plan, airflow=True)
     default_out = (PROJECT_ROOT / "var/bench/results-quick.json") if args.quick else (
         PROJECT_ROOT / "bench/results.json")
     out = Path(args.out) if args.out else default_out

@@ -95,6 +95,7 @@ TARGETS = {
     "peak_mem_10m_gib": "< 8 GiB at 10M events",
     "tiny_batch_s": "<= 5 s median",
     "batch2000_vs_batch5": "batch 2,000 <= 1.2x batch 5",
+    "airflow_dag_run_1k_s": "<= 5 s median, Airflow run start to the batch's marker",
 }
 
 
@@ -135,6 +136,10 @@ class Plan:
     #: a year of history costs nothing per batch: one sequence of this many short batches (0 = skip)
     long_history_batches: int = 2_000
     long_history_events: int = 40
+    #: `airflow_dag_run_1k_s`: starts a private Airflow (~1 minute), so only with --airflow or --full
+    airflow: bool = False
+    airflow_events: int = 1_000
+    airflow_runs: int = 6
 
     def keys(self, events: int) -> int:
         return max(10, int(events * self.keys_ratio))
@@ -146,7 +151,7 @@ PLANS = {
                   over_time_keys=500, over_time_repeats=1, beam_runs=1, beam_repeats=1, tiny_runs=4,
                   validation_events=10_000, long_history_batches=60, flink_events=50_000),
     "default": Plan("default"),
-    "full": Plan("full", session_sizes=(10_000, 100_000, 1_000_000, 10_000_000)),
+    "full": Plan("full", session_sizes=(10_000, 100_000, 1_000_000, 10_000_000), airflow=True),
 }
 
 
@@ -882,11 +887,27 @@ class Bench:
         after = os.times()
         res["cpu_s"] = round(sum(after[:4]) - sum(before[:4]), 3)
         return res
+    def measure_airflow_dag_run(self) -> None:
+        """A pipeline's whole DAG run in a real Airflow (bench/airflow_dag.py): what a user waits for."""
+        if not self.plan.airflow:
+            return
+        from bench import airflow_dag
+
+        n, runs = self.plan.airflow_events, self.plan.airflow_runs
+        self.log(f"Airflow DAG runs: {runs} x {n} demo events, a private Airflow on the bench's store")
+        res = airflow_dag.measure(self.settings, self.workdir, n, runs, self.log)
+        self.measures["airflow_dag_run"] = res
+        self.record(f"airflow_dag_run_{_size(n)}_s", res["median_run_start_to_marker_s"], None, None, "s", True,
+                    samples=[r["run_start_to_marker_s"] for r in res["runs"]], tasks=res["tasks"],
+                    trigger_to_marker_s=res["median_trigger_to_marker_s"],
+                    run_seconds=res["median_run_start_to_run_end_s"],
+                    notes=f"median of runs 2..{runs} (run 1 creates the tables), Airflow's run start to the "
+                          "commit of the batch's marker; per-task times in measures.airflow_dag_run")
 
     def run_all(self) -> None:
         steps = [self.measure_tiny, self.measure_sessions_scaling, self.measure_fixed, self.measure_spark_path,
                  self.measure_beam, self.measure_streaming, self.measure_over_time, self.measure_validation,
-                 self.measure_long_history, self.measure_flink]
+                 self.measure_long_history, self.measure_flink, self.measure_airflow_dag_run]
         for step in steps:
             t = time.perf_counter()
             step()

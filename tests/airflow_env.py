@@ -85,12 +85,10 @@ def start_test_stack(conf_dir: Path):
     Returns (stack, settings the stack's tasks see). Live schedules are off so nothing but the tests'
     own runs touches the tables.
     """
-    from millpond.config import load_settings
-    from millpond.lake.objectstore import ObjectStore
-    from millpond.orchestration.airflow_stack import AirflowStack, airflow_config
+    from millpond.orchestration.airflow_stack import start_isolated_stack
     from millpond.orchestration.processes import free_port
 
-    overrides = {
+    return start_isolated_stack({
         "MILLPOND_CONF_DIR": str(conf_dir),
         "MILLPOND_TABLE_ROOT": STACK_TABLE_ROOT,
         "MILLPOND_BUCKET_LANDING": STACK_LANDING,
@@ -100,18 +98,4 @@ def start_test_stack(conf_dir: Path):
         "MILLPOND_AIRFLOW_PARALLELISM": "2",
         # the suite's Airflow runs batches in-process; tests/test_spark_engine.py runs them as Spark jobs
         "MILLPOND_ENGINE": "local",
-    }
-    # The in-process test Airflow's settings must not leak into the stack (its own DB and home).
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")} | overrides
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        settings = load_settings()
-        ObjectStore(settings).ensure_buckets()
-        stack = AirflowStack(settings, airflow_config(settings))
-        stack.start(timeout=240)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    return stack, settings
+    })

@@ -75,6 +75,29 @@ def test_dag_test_runs_one_full_microbatch(settings: Settings, conf_dir: Path,
     assert tables.read_arrow(airflow_env.PIPELINE, "batches").num_rows == 1
 
 
+def test_a_data_docs_upload_failure_keeps_the_committed_batch(settings: Settings, conf_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one task uploads the Data Docs after the batch committed: a reports bucket that refuses the upload
+    is a warning, and the run still succeeds with the batch committed and its Assets' events sent (with the
+    batch's processing time, what a stage downstream runs at)."""
+    from airflow.models.asset import AssetEvent
+    from airflow.utils.session import create_session
+    from millpond.orchestration.dagfactory import TASK_ID
+
+    dag = get_dag(conf_dir, monkeypatch, "tables_docsfail")
+    monkeypatch.setenv("MILLPOND_BUCKET_REPORTS", "no-such-reports-bucket")
+    dr = dag.test(logical_date=T0 + STEP, run_conf={"demo": True})
+    states = {ti.task_id: str(ti.state) for ti in dr.get_task_instances()}
+    assert str(dr.state) == "success" and states == {TASK_ID: "success"}, states
+    batches = Tables(settings.with_overrides(table_root="tables_docsfail")).read_arrow(airflow_env.PIPELINE, "batches")
+    assert batches.num_rows == 1 and batches.column("input").to_pylist()[0] > 0
+    with create_session() as session:
+        events = [(e.asset.uri.rsplit("/", 1)[1], dict(e.extra or {}))
+                  for e in session.query(AssetEvent).filter(AssetEvent.source_run_id == dr.run_id)]
+    assert sorted(table for table, _ in events) == ["batches", "current", "panes"], events
+    assert all(extra == {"processing_time": "2026-01-05T12:05:00Z", "batch": 1} for _, extra in events), events
+
+
 def test_dry_run_param_writes_nothing(settings: Settings, conf_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     dag = get_dag(conf_dir, monkeypatch, "tables_dryrun")
     run_interval(dag, T0, dry_run=True)
@@ -199,6 +222,7 @@ def test_a_task_killed_mid_batch_is_retried_and_commits(airflow_stack) -> None:
     from millpond.lake.objectstore import ObjectStore
     from millpond.model.spec import pipeline_from_dict
     from millpond.orchestration.backfill import Backfill
+    from millpond.orchestration.dagfactory import TASK_ID
     from millpond.runtime.job import run_batch
 
     stack, s = airflow_stack
@@ -228,7 +252,7 @@ def test_a_task_killed_mid_batch_is_retried_and_commits(airflow_stack) -> None:
     assert killed is not None, "the batch was never caught in the middle"
     assert sorted(outcome["states"].values()) == ["success"], outcome
     (run,) = backfill.runs()
-    ti = backfill.api("GET", f"/dags/millpond_{name}/dagRuns/{run['dag_run_id']}/taskInstances/process_microbatch")
+    ti = backfill.api("GET", f"/dags/millpond_{name}/dagRuns/{run['dag_run_id']}/taskInstances/{TASK_ID}")
     assert ti["try_number"] == 2, ti  # the first retry committed
     # an uninterrupted run of the same files into another table root
     reference = s.with_overrides(table_root="tables_killref")

@@ -15,7 +15,7 @@ from millpond.config import DEFAULT_CONF_DIR, load_settings
 from millpond.orchestration import dagfactory
 from millpond.orchestration.backfill import align, parse_time
 
-TASKS = ["ingest", "process_microbatch", "validate", "publish"]
+TASKS = [dagfactory.TASK_ID]
 
 
 def dagbag():
@@ -63,13 +63,11 @@ def test_dag_shape(monkeypatch: pytest.MonkeyPatch) -> None:
             assert "video_sessions/panes" in repr(dag.timetable.asset_condition)
         assert dag.max_active_runs == 1
         assert dag.catchup is False
-        assert [t.task_id for t in dag.topological_sort()] == TASKS
-        assert dag.get_task("process_microbatch").upstream_task_ids == {"ingest"}
-        assert dag.get_task("validate").upstream_task_ids == {"process_microbatch"}
-        assert dag.get_task("publish").upstream_task_ids == {"validate", "process_microbatch"}
+        assert [t.task_id for t in dag.topological_sort()] == TASKS  # one task: one process start per run
         assert all(t.retries >= 1 for t in dag.tasks)  # safe: a batch is idempotent
-        assert {"dry_run", "demo", "watermark_lag_override"} <= set(dag.params)
-        uris = {a.uri for a in dag.get_task("publish").outlets}
+        assert all(t.execution_timeout == timedelta(seconds=settings.airflow_task_timeout_s) for t in dag.tasks)
+        assert {"dry_run", "demo", "reprocess", "watermark_lag_override"} <= set(dag.params)
+        uris = {a.uri for a in dag.get_task(dagfactory.TASK_ID).outlets}
         assert f"s3://{settings.bucket_lake}/{settings.table_root}/{name}/panes" in uris
 
 
@@ -105,9 +103,9 @@ def test_a_stage_reads_its_upstreams_panes_as_inlets(conf_dir: Path) -> None:
     bag = dagbag()
     assert bag.import_errors == {}
     settings = load_settings()
-    inlets = {a.uri for a in bag.dags["millpond_per_hour"].get_task("process_microbatch").inlets}
+    inlets = {a.uri for a in bag.dags["millpond_per_hour"].get_task(dagfactory.TASK_ID).inlets}
     assert inlets == {f"s3://{settings.bucket_lake}/{settings.table_root}/sessions/panes"}
-    assert not bag.dags["millpond_sessions"].get_task("process_microbatch").inlets
+    assert not bag.dags["millpond_sessions"].get_task(dagfactory.TASK_ID).inlets
 
 
 def test_live_runs_can_be_switched_off() -> None:

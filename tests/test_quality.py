@@ -223,6 +223,20 @@ def test_data_docs_build_offline(settings: Settings, pipeline_name: str) -> None
         assert (page.parent / ref).resolve().is_file(), ref
 
 
+def test_pages_can_be_left_to_the_next_build(settings: Settings, pipeline_name: str) -> None:
+    """A DAG run validates without rendering (rendering checks nothing) and renders with its publish, after
+    the commit; a failed check's page is rendered at once, so the batch's error can point at it."""
+    report = validate_batch(settings, pipeline_name, 7, processing_time=PT, raw=good_raw(), panes=None, state=None,
+                            render=False)
+    assert report.ok and len(report.pages) == 1 and not Path(report.pages[0]).exists()
+    assert report.result_urls[0].endswith(".json") and Path(report.result_urls[0]).is_file()
+    build_data_docs(settings)
+    assert Path(report.pages[0]).is_file()
+    bad = validate_batch(settings, pipeline_name, 8, processing_time=PT, raw=good_raw().drop(columns=["key"]),
+                         panes=None, state=None, render=False)
+    assert not bad.ok and bad.result_urls == bad.pages and Path(bad.pages[0]).is_file()
+
+
 def test_results_are_pruned(tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     local = settings.with_overrides(home=tmp_path, dq_keep_results=2)
     pages = [validate_batch(local, "prune", b, raw=good_raw(), panes=None, state=None).result_urls[0]

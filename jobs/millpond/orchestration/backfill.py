@@ -24,7 +24,7 @@ from urllib.parse import quote, urlencode
 from millpond.config import Settings
 from millpond.errors import MillpondError
 from millpond.orchestration.airflow_stack import AirflowStack
-from millpond.orchestration.dagfactory import DAG_PREFIX, pipelines_dir, read_pipeline_info
+from millpond.orchestration.dagfactory import DAG_PREFIX, TASK_ID, pipelines_dir, read_pipeline_info
 
 TERMINAL = {"success", "failed"}
 
@@ -117,10 +117,13 @@ class Backfill:
         }
 
     def create(self, attempts: int = 6) -> dict[str, Any]:
+        refused_locked = False
         for attempt in range(attempts):
             try:
                 return self.api("POST", "/backfills", self.body())
             except MillpondError as exc:
+                if " 409" in str(exc) and refused_locked and (left := self.left_running()) is not None:
+                    return left
                 if " 409" in str(exc) and attempt < attempts - 1:  # the previous backfill's end can lag its runs
                     time.sleep(2.0 + 2 * attempt)
                     continue
@@ -128,12 +131,27 @@ class Backfill:
                     raise MillpondError(f"a backfill of {self.dag_id} is already running: wait for it or cancel "
                                         "it in the UI (Browse -> Backfills)") from exc
                 # On SQLite, Airflow refuses to create a backfill while the scheduler holds the database
-                # ("Database is locked", 503): a passing condition, so wait and ask again.
-                if " 503" in str(exc) and "locked" in str(exc).lower() and attempt < attempts - 1:
+                # ("Database is locked", 503; or a 500 "Database error" when the lock hits its audit-log
+                # write): a passing condition, so wait and ask again.
+                text = str(exc).lower()
+                if ((" 503" in text and "locked" in text) or (" 500" in text and "database error" in text)) \
+                        and attempt < attempts - 1:
+                    refused_locked = True
                     time.sleep(1.0 + 2 * attempt)
                     continue
                 raise
         raise AssertionError("unreachable")
+
+    def left_running(self) -> dict[str, Any] | None:
+        """The running backfill of this very range that a refused create left behind: Airflow commits the
+        backfill before its runs, and on SQLite its clean-up after a "locked" refusal can fail as well."""
+        body = self.body()
+        found = self.api("GET", f"/backfills?{urlencode({'dag_id': self.dag_id, 'limit': 100})}")
+        for b in found.get("backfills", []):
+            if b.get("completed_at") is None and parse_time(b["from_date"]) == parse_time(body["from_date"]) \
+                    and parse_time(b["to_date"]) == parse_time(body["to_date"]):
+                return b
+        return None
 
     def runs(self) -> list[dict[str, Any]]:
         query = urlencode({
@@ -144,7 +162,7 @@ class Backfill:
         return self.api("GET", f"/dags/{self.dag_id}/dagRuns?{query}")["dag_runs"]
 
     def batch_summary(self, run_id: str) -> dict[str, Any] | None:
-        path = (f"/dags/{self.dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/process_microbatch"
+        path = (f"/dags/{self.dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{TASK_ID}"
                 "/xcomEntries/return_value?deserialize=true")
         for attempt in range(3):  # the XCom can lag the run's state by a moment
             try:

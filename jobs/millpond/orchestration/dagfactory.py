@@ -1,13 +1,25 @@
-"""One Airflow DAG per ``conf/pipelines/*.yaml``: ingest -> process_microbatch -> validate -> publish.
+"""One Airflow DAG per ``conf/pipelines/*.yaml``, each run one task: ``microbatch``.
 
 Why a factory: the DAG file stays a two-liner and every pipeline gets the same, tested shape.
 Parsing must stay fast (the dag-processor re-parses every few seconds), so this module reads the
 pipeline YAML with nothing heavier than PyYAML; Spark, delta-rs and the engine are imported inside
-the task functions only.
+the task function only.
 
 Each run is one micro-batch whose processing time is the run's ``data_interval_end`` (a manual run
 without a logical date uses ``dag_run.run_after``). The batch is idempotent (the engine skips a
 processing time already committed), so retries and re-runs are safe.
+
+Why one task: a run used to be four (``ingest -> process_microbatch -> validate -> publish``), but only
+the batch did work: landing demo events is a put, validation runs inside the batch (before its commits,
+so a critical failure publishes nothing), and the Data Docs upload sends only what changed (the batch's
+pages are rendered after its commit, with the upload: rendering checks nothing). Each task
+cost a process start, its imports and the scheduler's latency, several times what a small batch takes,
+and the extra tasks only passed XComs along. Folded into one, the run does the same steps in the same
+order in one process. A Data Docs upload that fails after the commit is a warning, not a failed task:
+a retry would redo the run's preamble (a reprocess run would rewind its own new batch and compute it
+again) only to upload a few pages, and would hold back the Assets' events the stages downstream wait
+for; the upload is by manifest, so the next run's publish (or ``millpond docs --no-serve --publish``)
+sends what this one missed.
 """
 
 from __future__ import annotations
@@ -28,6 +40,8 @@ log = logging.getLogger(__name__)
 DAG_PREFIX = "millpond_"
 START_DATE = datetime(2020, 1, 1, tzinfo=UTC)  # far back so backfills of old intervals are allowed
 TABLE_ASSETS = ("panes", "current", "batches")
+#: the one task of every pipeline's DAG (its XCom ``return_value`` is the batch summary)
+TASK_ID = "microbatch"
 
 
 @dataclass(frozen=True)
@@ -166,7 +180,7 @@ def quality_summary(report: Any, settings: Settings) -> dict[str, Any]:
     """The batch's data-quality report as a JSON-safe XCom value, with links a user can open."""
     if report is None:
         return {"validated": False}
-    pages = list(report.result_urls)[:6]
+    pages = list(report.pages)[:6]
     return {"validated": True, "ok": report.ok, "warnings": list(report.warnings)[:20],
             "summary": report.summary(), "results": pages,
             "published": f"s3://{settings.bucket_reports}/data_docs/index.html"}
@@ -184,6 +198,128 @@ def summarize(result: Any) -> dict[str, Any]:
     }
 
 
+def publish_docs(settings: Settings) -> dict[str, Any]:
+    """Render this batch's Data Docs pages and the index, and upload what changed, after the batch committed.
+
+    A failure is logged and reported, never raised: the batch is committed and its Assets' events must go
+    out; the next publish sends what this one missed (the manifest only records what was uploaded)."""
+    from millpond.quality.datadocs import PUBLISH_PREFIX, publish_data_docs
+
+    where = f"s3://{settings.bucket_reports}/{PUBLISH_PREFIX}/"
+    try:
+        files = publish_data_docs(settings)
+    except Exception as exc:  # noqa: BLE001 - the committed batch stands whatever the reports bucket does
+        log.warning("Data Docs not published to %s (%s): the batch is committed; the next run's publish, or "
+                    "`millpond docs --no-serve --publish`, uploads what this one missed", where, exc)
+        return {"published": False, "error": str(exc)[:300]}
+    log.info("Data Docs published: %d files to %s", files, where)
+    return {"published": True, "files": files}
+
+
+def log_quality(name: str, summary: dict[str, Any]) -> None:
+    """The batch's data-quality report in the task log, with links to its result pages."""
+    quality = summary.get("quality") or {}
+    log.info("data quality for %s batch %s: %s", name, summary.get("batch"), quality.get("summary"))
+    for page in quality.get("results", []):
+        log.info("validation result: file://%s", page)
+    for line in quality.get("warnings", []):
+        log.warning("quality warning: %s", line)
+
+
+def run_microbatch(info: PipelineInfo, context: dict[str, Any], assets: list[Any]) -> dict[str, Any]:
+    """What the DAG's task does, in order: skip a live run while live runs are off; the window (an
+    asset-triggered stage run takes its upstream batch's time); dry run: log and stop; land demo events when
+    asked; reprocess (rewind first) or wait out a catch-up; the batch with its validation, under a lease
+    owned by the DAG run; the Assets' events with the batch's processing time; the Data Docs upload.
+    Returns the batch summary (the task's XCom)."""
+    name, interval = info.name, info.batch_interval
+    s = load_settings()
+    if live_run_skipped(context, s):
+        from airflow.exceptions import AirflowSkipException
+
+        raise AirflowSkipException("live runs are off (MILLPOND_AIRFLOW_SCHEDULED_RUNS=false): "
+                                   "only manual runs and backfills process batches")
+    start, end = batch_window(context, interval)
+    if (upstream_end := triggering_batch_time(context)) is not None:
+        start, end = upstream_end - interval, upstream_end
+    params, run = context["params"], context.get("dag_run")
+    conf = dict(getattr(run, "conf", None) or {})
+    summary = _batch(info, s, context, start, end, params, conf)
+    # What a stage downstream needs to run at this batch's processing time (events go out if the task succeeds).
+    for asset in assets:
+        context["outlet_events"][asset].extra = {"processing_time": summary.get("processing_time") or _iso(end),
+                                                 "batch": summary.get("batch")}
+    quality = summary.get("quality") or {}
+    if quality.get("validated") or (summary.get("skipped") and "reason" not in summary and not params.get("dry_run")):
+        # validated, or a rerun of a committed batch (e.g. a retry after its first attempt was killed
+        # before the upload): the pages are local, the manifest says what is still to send
+        summary["data_docs"] = publish_docs(s)
+    if quality.get("validated"):
+        log_quality(name, summary)
+    if progress := summary.get("backfill"):
+        log.info("backfill progress for %s: %d/%d batches done", name, progress["done"], progress["total"])
+    return {"pipeline": name, **summary}
+
+
+def _batch(info: PipelineInfo, s: Settings, context: dict[str, Any], start: datetime, end: datetime,
+           params: dict[str, Any], conf: dict[str, Any]) -> dict[str, Any]:
+    """The run's batch (or why there is none): its summary."""
+    name, run = info.name, context.get("dag_run")
+    if params.get("dry_run"):
+        log.info("dry run: would process %s window [%s, %s); nothing landed or written", name, _iso(start), _iso(end))
+        return {"dry_run": True, "start": _iso(start), "processing_time": _iso(end), "skipped": True, "counts": {}}
+    if demo_enabled(s, info.has_demo, params):
+        from millpond.examples.demo import land_demo_events
+
+        landed = land_demo_events(s, load_spec(s, name), start, end)
+        log.info("landed %d demo events for %s arriving in [%s, %s)", landed, name, _iso(start), _iso(end))
+    from millpond.lake.tables import Tables
+    from millpond.runtime import catchup, rewind
+
+    if _truthy(conf.get("reprocess", params.get("reprocess"))):
+        rewound = rewind.run(s, Tables(s), load_spec(s, name), to_us(start),
+                             by=f"{info.dag_id} run {getattr(run, 'run_id', None)}")
+        if not rewound.noop:
+            log.info("reprocess: %s rewound to batch %s (its later batches are in the tables' history)",
+                     name, rewound.to_batch or 0)
+    elif "backfill" not in str(getattr(run, "run_type", "")).lower() and (
+            waits := catchup.catching_up(Tables(s), name)):
+        log.info("%s", waits)
+        return {"processing_time": _iso(end), "skipped": True, "counts": {}, "reason": waits}
+    watermark = None
+    if params.get("watermark_lag_override"):
+        watermark = end - timedelta(microseconds=parse_duration(params["watermark_lag_override"]))
+    spark = None
+    if s.engine == "spark":  # a Connect client of the stack's warm Spark: no JVM in this process
+        from millpond.runtime.spark_client import connect
+
+        spark = connect(s)
+    from millpond.runtime.job import run_batch
+
+    # Great Expectations runs inside the batch, before its commits: a critical failure fails this task with
+    # nothing committed. The lease's owner is this DAG run: a retry of it (a new process) takes the lease back
+    # at once, while a killed attempt that still runs somewhere is fenced by the lease's token.
+    owner = f"airflow/{info.dag_id}/{getattr(run, 'run_id', None) or _iso(end)}"
+    # Its Data Docs pages are rendered after the commit, with the publish: rendering checks nothing.
+    result = run_batch(s, load_spec(s, name), end, watermark=watermark, spark=spark, owner=owner, validate=True,
+                       render_docs=False)
+    summary = summarize(result)
+    summary["quality"] = quality_summary(result.quality, s)
+    counts = summary["counts"]
+    progress = backfill_progress(conf, start, info.batch_interval)
+    where = f"backfill batch {progress[0]}/{progress[1]}: " if progress else ""
+    log.info(
+        "%s%s batch %s at %s: %s (input %s events, accepted %s, late %s, panes %s; watermark %s) phases %s",
+        where, name, summary["batch"], summary["processing_time"],
+        "skipped (already committed)" if summary["skipped"] else "committed",
+        counts.get("input"), counts.get("accepted"), counts.get("late"), counts.get("panes"),
+        summary["watermark"], summary["phases"],
+    )
+    if progress:
+        summary["backfill"] = {"done": progress[0], "total": progress[1]}
+    return summary
+
+
 # ------------------------------------------------------------------------------------------------
 # The DAG
 # ------------------------------------------------------------------------------------------------
@@ -192,7 +328,7 @@ def build_dag(info: PipelineInfo, settings: Settings):
     from airflow.sdk import DAG, Asset, AssetAny, AssetOrTimeSchedule, Param, task
 
     assets = [Asset(f"s3://{settings.bucket_lake}/{settings.table_root}/{info.name}/{t}") for t in TABLE_ASSETS]
-    # A stage reads its upstreams' panes: an upstream batch that committed (its publish updates the panes
+    # A stage reads its upstreams' panes: an upstream batch that committed (its run updates the panes
     # Asset) triggers the stage's run at that batch's processing time; the stage's own batch_interval
     # schedule stays for backfills and as a fallback. The UI's asset graph shows the pipelines' graph.
     inlets = [Asset(f"s3://{settings.bucket_lake}/{settings.table_root}/{u}/panes") for u in info.upstreams]
@@ -203,7 +339,6 @@ def build_dag(info: PipelineInfo, settings: Settings):
         f"One micro-batch per {info.batch_interval} data interval; processing time = `data_interval_end`. "
         f"Config: `{info.path.name}`. Batches are idempotent: re-running a committed interval is a no-op."
     )
-    interval = info.batch_interval
     name = info.name
 
     with DAG(
@@ -240,125 +375,13 @@ def build_dag(info: PipelineInfo, settings: Settings):
         },
     ) as dag:
 
-        @task(task_id="ingest")
-        def ingest(**context: Any) -> dict[str, Any]:
-            """Land demo events for the interval when asked; the engine ingests landing files next."""
-            if live_run_skipped(context, load_settings()):
-                from airflow.exceptions import AirflowSkipException
+        @task(task_id=TASK_ID, inlets=inlets, outlets=assets)
+        def microbatch(**context: Any) -> dict[str, Any]:
+            """The run's micro-batch, whole: demo landing when asked, the batch with its validation, the
+            Data Docs of what changed, the table Assets' events (see ``run_microbatch``)."""
+            return run_microbatch(info, context, assets)
 
-                raise AirflowSkipException("live runs are off (MILLPOND_AIRFLOW_SCHEDULED_RUNS=false): "
-                                           "only manual runs and backfills process batches")
-            start, end = batch_window(context, interval)
-            if (upstream_end := triggering_batch_time(context)) is not None:
-                start, end = upstream_end - interval, upstream_end
-            params = context["params"]
-            landed = 0
-            if params.get("dry_run"):
-                log.info("dry run: would process %s window [%s, %s)", name, _iso(start), _iso(end))
-            elif demo_enabled(s := load_settings(), info.has_demo, params):
-                from millpond.examples.demo import land_demo_events
-
-                landed = land_demo_events(s, load_spec(s, name), start, end)
-                log.info("landed %d demo events for %s arriving in [%s, %s)", landed, name, _iso(start), _iso(end))
-            return {"start": _iso(start), "end": _iso(end), "demo_events": landed}
-
-        @task(task_id="process_microbatch", inlets=inlets)
-        def process_microbatch(plan: dict[str, Any], **context: Any) -> dict[str, Any]:
-            """One micro-batch at processing time = the window end (idempotent)."""
-            params = context["params"]
-            processing_time = _utc(datetime.fromisoformat(plan["end"].replace("Z", "+00:00")))
-            start = _utc(datetime.fromisoformat(plan["start"].replace("Z", "+00:00")))
-            conf = dict(getattr(context.get("dag_run"), "conf", None) or {})
-            progress = backfill_progress(conf, start, interval)
-            if params.get("dry_run"):
-                log.info("dry run: %s batch at processing time %s not executed", name, plan["end"])
-                return {"dry_run": True, "processing_time": plan["end"], "skipped": True, "counts": {}}
-            watermark = None
-            if params.get("watermark_lag_override"):
-                watermark = processing_time - timedelta(microseconds=parse_duration(params["watermark_lag_override"]))
-            from millpond.runtime.job import run_batch
-
-            s = load_settings()
-            spark = None
-            if s.engine == "spark":  # a Connect client of the stack's warm Spark: no JVM in this process
-                from millpond.runtime.spark_client import connect
-
-                spark = connect(s)
-            # Great Expectations runs inside the batch, before its commits: a critical failure fails this
-            # task with nothing published.
-            # The lease's owner is this DAG run: a retry of it (a new process) takes the lease back at once,
-            # while a killed attempt that still runs somewhere is fenced by the lease's token.
-            run = context.get("dag_run")
-            from millpond.lake.tables import Tables
-            from millpond.runtime import catchup, rewind
-
-            if _truthy(conf.get("reprocess", params.get("reprocess"))):
-                rewound = rewind.run(s, Tables(s), load_spec(s, name), to_us(start), by=f"{info.dag_id} run "
-                                     f"{getattr(run, 'run_id', None)}")
-                if not rewound.noop:
-                    log.info("reprocess: %s rewound to batch %s (its later batches are in the tables' history)",
-                             name, rewound.to_batch or 0)
-            elif "backfill" not in str(getattr(run, "run_type", "")).lower() and (
-                    waits := catchup.catching_up(Tables(s), name)):
-                log.info("%s", waits)
-                return {"processing_time": plan["end"], "skipped": True, "counts": {}, "reason": waits}
-            owner = f"airflow/{info.dag_id}/{getattr(run, 'run_id', None) or plan['end']}"
-            result = run_batch(s, load_spec(s, name), processing_time, watermark=watermark, spark=spark, owner=owner,
-                               validate=True)
-            summary = summarize(result)
-            summary["quality"] = quality_summary(result.quality, s)
-            counts = summary["counts"]
-            where = f"backfill batch {progress[0]}/{progress[1]}: " if progress else ""
-            log.info(
-                "%s%s batch %s at %s: %s (input %s events, accepted %s, late %s, panes %s; watermark %s) phases %s",
-                where, name, summary["batch"], summary["processing_time"],
-                "skipped (already committed)" if summary["skipped"] else "committed",
-                counts.get("input"), counts.get("accepted"), counts.get("late"), counts.get("panes"),
-                summary["watermark"], summary["phases"],
-            )
-            if progress:
-                summary["backfill"] = {"done": progress[0], "total": progress[1]}
-            return summary
-
-        @task(task_id="validate")
-        def validate(summary: dict[str, Any]) -> dict[str, Any]:
-            """Great Expectations on the batch (millpond.quality.validation); a failed critical check fails the run."""
-            if summary.get("dry_run") or summary.get("skipped"):
-                log.info("nothing new to validate for %s (dry run or already committed)", name)
-                return {"validated": False, "reason": "nothing new"}
-            quality = summary.get("quality") or {"validated": False}
-            log.info("data quality for %s batch %s: %s", name, summary.get("batch"), quality.get("summary"))
-            for page in quality.get("results", []):
-                log.info("validation result: file://%s", page)
-            log.info("Data Docs (after publish): %s, or locally with `make docs`", quality.get("published"))
-            for line in quality.get("warnings", []):
-                log.warning("quality warning: %s", line)
-            return quality
-
-        @task(task_id="publish", outlets=assets)
-        def publish(summary: dict[str, Any], validation: dict[str, Any], **context: Any) -> dict[str, Any]:
-            """Rebuild and upload the Data Docs, mark the pipeline's Delta tables as updated (Airflow Assets)
-            and log the batch summary."""
-            if validation.get("validated"):
-                from millpond.quality.datadocs import publish_data_docs
-
-                s = load_settings()
-                log.info("Data Docs published: %d files to s3://%s/data_docs/", publish_data_docs(s),
-                         s.bucket_reports)
-            log.info("published %s: batch %s processing_time %s watermark %s counts %s validation %s",
-                     name, summary.get("batch"), summary.get("processing_time"), summary.get("watermark"),
-                     summary.get("counts"), validation)
-            if summary.get("backfill"):
-                b = summary["backfill"]
-                log.info("backfill progress for %s: %d/%d batches done", name, b["done"], b["total"])
-            for asset in assets:  # what a stage downstream needs to run at this batch's processing time
-                context["outlet_events"][asset].extra = {"processing_time": summary.get("processing_time"),
-                                                         "batch": summary.get("batch")}
-            return {"pipeline": name, **summary, "validation": validation}
-
-        plan = ingest()
-        summary = process_microbatch(plan)
-        publish(summary, validate(summary))
+        microbatch()
 
     return dag
 

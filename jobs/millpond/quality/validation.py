@@ -32,6 +32,7 @@ from millpond.quality.context import (
     get_context,
     keep_results,
     prune_results,
+    validation_page_path,
     validation_result_path,
 )
 
@@ -49,6 +50,8 @@ class QualityReport:
     critical_failures: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     result_urls: list[str] = field(default_factory=list)
+    #: the run's Data Docs pages (rendered with it, or by the next Data Docs build when it was not asked to)
+    pages: list[str] = field(default_factory=list)
     suites: dict[str, bool] = field(default_factory=dict)  # suite -> GX success (all expectations met)
     seconds: float = 0.0
 
@@ -106,7 +109,9 @@ def validate_batch(
 
     ``processing_time`` (default now) bounds plausible event times; ``window_type`` 'sliding' or
     'custom' turns off the session-overlap check (such windows overlap by design); ``render`` writes
-    this run's Data Docs pages right away (incremental: the index is rebuilt by :func:`build_data_docs`).
+    this run's Data Docs pages right away (incremental: the index is rebuilt by :func:`build_data_docs`,
+    which also renders the pages of results that have none); a failed check's pages are rendered anyway,
+    so its error can point at one.
     """
     start = time.perf_counter()  # includes the one-time GX import and set-up: the first batch pays it
     from great_expectations.core.run_identifier import RunIdentifier
@@ -140,12 +145,13 @@ def validate_batch(
                     target.append(_describe(suite, r))
         with file_lock(settings):
             prune_results(context, settings, keep_results(settings))
-            if render and identifiers:
+            if identifiers and (render or not report.ok):
                 from millpond.quality.datadocs import render_pages
 
                 report.result_urls = render_pages(context, settings, identifiers)
             else:
                 report.result_urls = [str(validation_result_path(settings, i)) for i in identifiers]
+            report.pages = [str(validation_page_path(settings, i)) for i in identifiers]
     report.seconds = time.perf_counter() - start
     (log.warning if not report.ok else log.info)(report.summary())
     return report

@@ -25,6 +25,8 @@ class BatchContext(Protocol):
     label: str
     spark: object
     validate: bool
+    #: render the validation's Data Docs pages in the batch (else the next Data Docs build renders them)
+    render_docs: bool
     tables: Tables
     store: ObjectStore
     commits: Commits

@@ -79,6 +79,8 @@ class MicroBatch:
     output_tables: tuple[str, ...] = OUTPUT_TABLES
     #: tables whose versions the plan pins (reads of state use them); a subclass adds its own
     state_tables: tuple[str, ...] = STATE_TABLES
+    #: render the validation's Data Docs pages before the commits (a DAG run renders them after, when it publishes)
+    render_docs: bool = True
 
     def __init__(self, settings: Settings, spec: PipelineSpec, spark=None, validate: bool = False,
                  owner: str | None = None) -> None:

@@ -51,7 +51,7 @@ def validate(job: BatchContext, batch: int, clock: BatchClock, accepted: pa.Tabl
         prior = job.tables.select(job.name, "panes", where, schema=pa.schema([("key", pa.string())])).to_pandas()
     report = validate_batch(job.settings, job.name, batch, raw=raw, panes=pane_df, state=state_df,
                             prior_panes=prior, processing_time=to_datetime(clock.processing_time),
-                            window_type=job.spec.window.get("type"))
+                            window_type=job.spec.window.get("type"), render=job.render_docs)
     job.quality = report
     if not report.ok:
         where = f"; see {report.result_urls[0]}" if report.result_urls else ""
