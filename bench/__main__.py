@@ -18,6 +18,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     size.add_argument("--quick", action="store_true", help="~3-minute smoke (small sizes); writes var/bench/")
     size.add_argument("--full", action="store_true", help="add 10M events (long; needs several GiB of memory)")
     p.add_argument("--no-beam", action="store_true", help="skip the Beam peer (its venv is built on first use)")
+    p.add_argument("--only", help="comma-separated measure methods to run, e.g. measure_spark_engine_tiny "
+                                  "(default: all; see Bench.run_all)")
     p.add_argument("--out", help="results JSON (default bench/results.json; var/bench/results-quick.json for --quick)")
 
 
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - started:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    doc = main_bench(plan, out, log=log)
+    doc = main_bench(plan, out, log=log, steps=args.only.split(",") if args.only else None)
     print(ratio_table(doc["records"]))
     for note in doc["notes"]:
         print(f"note: {note}")
