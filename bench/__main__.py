@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - started:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    doc = main_bench(plan, out, log=log, steps=args.only)
+    steps = [m for o in args.only for m in o.split(",")] if args.only else None
+    doc = main_bench(plan, out, log=log, steps=steps)
     print(ratio_table(doc["records"]))
     for note in doc["notes"]:
         print(f"note: {note}")

@@ -57,6 +57,7 @@ from millpond.orchestration.processes import read_pid
 from millpond.orchestration.store import EmbeddedStore, isolated_store_env
 from millpond.runtime.job import run_batch
 
+from bench.spark_engine import SPARK_ENGINE_TARGETS, SparkEngineMeasures
 from bench.workload import WorkloadSpec, generate, jsonl_bytes, land, write_local
 
 GIB = 1024**3
@@ -96,6 +97,7 @@ TARGETS = {
     "tiny_batch_s": "<= 5 s median",
     "batch2000_vs_batch5": "batch 2,000 <= 1.2x batch 5",
     "airflow_dag_run_1k_s": "<= 5 s median, Airflow run start to the batch's marker",
+    **SPARK_ENGINE_TARGETS,
 }
 
 
@@ -140,6 +142,17 @@ class Plan:
     airflow: bool = False
     airflow_events: int = 1_000
     airflow_runs: int = 6
+    #: the Spark engine (``bench.spark_engine``, Connect clients of a server the bench starts): one sessions
+    #: batch of this many events vs bare Spark, and the client's peak RSS; 0 = skip
+    spark_engine_events: int = 1_000_000
+    #: the client's peak RSS again at this size (``--full``); 0 = skip
+    spark_engine_big_events: int = 0
+    spark_validation_events: int = 1_000_000
+    #: 1k-event batches on the Spark engine, one fresh client process each (tiny_events each); 0 = skip
+    spark_tiny_runs: int = 7
+    #: the over-time sequence on the Spark engine: one repeat is 55 Spark batches (several seconds each here), so
+    #: fewer repeats than the driver path's nine (noise-bound: one sample of batch 50)
+    spark_over_time_repeats: int = 1
 
     def keys(self, events: int) -> int:
         return max(10, int(events * self.keys_ratio))
@@ -149,9 +162,12 @@ PLANS = {
     "quick": Plan("quick", session_sizes=(10_000, 50_000), fixed_sizes=(50_000,), spark_path_events=10_000,
                   stream_events=10_000, stream_batches=4, over_time_batches=12, over_time_events=500,
                   over_time_keys=500, over_time_repeats=1, beam_runs=1, beam_repeats=1, tiny_runs=4,
-                  validation_events=10_000, long_history_batches=60, flink_events=50_000),
+                  validation_events=10_000, long_history_batches=60, flink_events=50_000,
+                  spark_engine_events=50_000, spark_tiny_runs=4, spark_validation_events=10_000,
+                  spark_over_time_repeats=1),
     "default": Plan("default"),
-    "full": Plan("full", session_sizes=(10_000, 100_000, 1_000_000, 10_000_000), airflow=True),
+    "full": Plan("full", session_sizes=(10_000, 100_000, 1_000_000, 10_000_000), airflow=True,
+                 spark_engine_big_events=10_000_000),
 }
 
 
@@ -167,6 +183,8 @@ class MemorySampler:
         self.me = psutil.Process()
         self._exe = self.me.exe()
         self.exclude_root = exclude_root
+        #: more process trees that are not ours (the bench's Spark Connect server)
+        self.also_exclude: list[Callable[[], int | None]] = []
         self.interval = interval
         self.peak_tree = 0
         self.peak_self = 0
@@ -184,11 +202,11 @@ class MemorySampler:
     def sample(self) -> tuple[int, int]:
         ps = self._psutil
         excluded: set[int] = set()
-        root = self.exclude_root()
-        if root:
-            with contextlib.suppress(ps.Error):
-                r = ps.Process(root)
-                excluded = {root} | {c.pid for c in r.children(recursive=True)}
+        for root in (self.exclude_root(), *(f() for f in self.also_exclude)):
+            if root:
+                with contextlib.suppress(ps.Error):
+                    r = ps.Process(root)
+                    excluded |= {root} | {c.pid for c in r.children(recursive=True)}
         own = self.me.memory_info().rss
         total = own
         for child in self.me.children(recursive=True):
@@ -250,7 +268,7 @@ class Workload:
 
 
 @dataclass
-class Bench:
+class Bench(SparkEngineMeasures):
     settings: Settings
     plan: Plan
     spark: Any
@@ -261,6 +279,8 @@ class Bench:
     measures: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     _workloads: dict[str, Workload] = field(default_factory=dict)
+    #: the Spark Connect server of the Spark-engine measures (``bench.spark_engine``), started on first use
+    connect_server: Any = None
 
     def __post_init__(self) -> None:
         # the engine's default path: Spark for batches of SPARK_FROM_BYTES of landing files or more, in-process below
@@ -356,28 +376,15 @@ class Bench:
     # peers ------------------------------------------------------------------------------------
     def read_landing(self, wl: Workload, batch: int | None = None) -> pa.Table:
         """The workload's landing files (of one batch if given) as one Arrow table (what Spark is handed)."""
-        store = ObjectStore(self.settings)
-        schema = pa.schema([("id", pa.string()), ("key", pa.string()), ("value", pa.int64()),
-                            ("event_time", pa.timestamp("us", tz="UTC")),
-                            ("arrival_time", pa.timestamp("us", tz="UTC"))])
-        opts = pjson.ParseOptions(explicit_schema=schema)
-        tables = [pjson.read_json(io.BytesIO(store.get_bytes(self.settings.bucket_landing, o.key)),
-                                  parse_options=opts)
-                  for o in store.list(self.settings.bucket_landing, wl.prefix)
-                  if batch is None or f"-b{batch:05d}-" in o.key]
-        return pa.concat_tables(tables)
+        return landing_table(self.settings, wl.prefix, batch)
 
     def spark_bare(self, kind: str, wl: Workload, batch: int | None = None) -> dict[str, Any]:
         """Dedup + one aggregation per (key, window): no triggers, no state, no panes history."""
-        from pyspark.sql import functions as F
-
         with self.memory() as mem:
             t0 = time.perf_counter()
             table = self.read_landing(wl, batch)
             t1 = time.perf_counter()
-            df = self.spark.createDataFrame(table).dropDuplicates(["id"])
-            win = F.session_window("event_time", GAP) if kind == "sessions" else F.window("event_time", "1 minute")
-            out = df.groupBy("key", win).agg(F.sum("value").alias("value")).toArrow()
+            out = bare_aggregate(self.spark, table, kind)
             t2 = time.perf_counter()
         return {"seconds": round(t2 - t0, 3), "read_s": round(t1 - t0, 3), "spark_s": round(t2 - t1, 3),
                 "events": table.num_rows, "events_per_s": round(table.num_rows / (t2 - t0), 1),
@@ -907,11 +914,37 @@ class Bench:
     def run_all(self) -> None:
         steps = [self.measure_tiny, self.measure_sessions_scaling, self.measure_fixed, self.measure_spark_path,
                  self.measure_beam, self.measure_streaming, self.measure_over_time, self.measure_validation,
-                 self.measure_long_history, self.measure_flink, self.measure_airflow_dag_run]
+                 self.measure_long_history, self.measure_flink, self.measure_airflow_dag_run,
+                 # the Spark engine (bench.spark_engine): Connect clients of a server the bench starts
+                 self.measure_spark_engine_tiny, self.measure_spark_engine_sessions,
+                 self.measure_spark_engine_validation, self.measure_spark_engine_over_time]
         for step in steps:
             t = time.perf_counter()
             step()
             self.log(f"[{step.__name__} {time.perf_counter() - t:.0f}s]")
+
+
+def landing_table(settings: Settings, prefix: str, batch: int | None = None) -> pa.Table:
+    """The landing files under ``prefix`` (of one batch if given) as one Arrow table, read with pyarrow: how
+    the bare-Spark peer gets its events (Spark cannot read s3a here), in the bench or in a Connect client."""
+    store = ObjectStore(settings)
+    schema = pa.schema([("id", pa.string()), ("key", pa.string()), ("value", pa.int64()),
+                        ("event_time", pa.timestamp("us", tz="UTC")),
+                        ("arrival_time", pa.timestamp("us", tz="UTC"))])
+    opts = pjson.ParseOptions(explicit_schema=schema)
+    tables = [pjson.read_json(io.BytesIO(store.get_bytes(settings.bucket_landing, o.key)), parse_options=opts)
+              for o in store.list(settings.bucket_landing, prefix)
+              if batch is None or f"-b{batch:05d}-" in o.key]
+    return pa.concat_tables(tables)
+
+
+def bare_aggregate(spark, table: pa.Table, kind: str) -> pa.Table:
+    """The bare-Spark peer: ``dropDuplicates(id)``, one sum per (key, session or 1-minute window), to Arrow."""
+    from pyspark.sql import functions as F
+
+    df = spark.createDataFrame(table).dropDuplicates(["id"])
+    win = F.session_window("event_time", GAP) if kind == "sessions" else F.window("event_time", "1 minute")
+    return df.groupBy("key", win).agg(F.sum("value").alias("value")).toArrow()
 
 
 def _release_memory() -> None:
@@ -998,6 +1031,7 @@ def run_bench(settings: Settings, plan: Plan, spark, workdir: Path, log: Callabl
             for name in steps:
                 getattr(bench, name)()
     finally:
+        bench.close_connect_server()
         sampler.stop()
     info["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     return {
@@ -1028,11 +1062,13 @@ def main_bench(plan: Plan, out: Path | None, log: Callable[[str], None] = print,
         store = EmbeddedStore(settings)
         log(f"bench ({plan.name}): private object store at {settings.s3_endpoint}, home {home}")
         store.start()
-        from millpond.runtime.spark_session import get_spark
+        # the Spark-engine measures run in Connect clients of their own server: no session in this process
+        if steps is None or not all(s.startswith("measure_spark_engine") for s in steps):
+            from millpond.runtime.spark_session import get_spark
 
-        t = time.perf_counter()
-        spark = get_spark(settings, "millpond-bench")
-        log(f"SparkSession up in {time.perf_counter() - t:.1f}s")
+            t = time.perf_counter()
+            spark = get_spark(settings, "millpond-bench")
+            log(f"SparkSession up in {time.perf_counter() - t:.1f}s")
         doc = run_bench(settings, plan, spark, home / "work", log=log, exclude_root=lambda: read_pid(store.pidfile),
                         steps=steps)
     finally:

@@ -7,7 +7,9 @@ No Beam and no Structured Streaming here (their own costs dwarf the workload); t
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
+import psutil
 import pytest
 from millpond.lake.landing import parse_file
 
@@ -19,7 +21,8 @@ pytestmark = pytest.mark.timeout(300)
 SMOKE = Plan("smoke", session_sizes=(2_000,), fixed_sizes=(), spark_path_events=0, stream_events=0, beam=False,
              structured_streaming=False, over_time_batches=5, over_time_events=200, over_time_keys=50,
              over_time_repeats=2, tiny_events=200, tiny_runs=2, validation_events=0,
-             flink_events=0, long_history_batches=12, long_history_events=10)
+             flink_events=0, long_history_batches=12, long_history_events=10, spark_engine_events=0,
+             spark_tiny_runs=0, spark_validation_events=0, spark_over_time_repeats=0)
 
 
 def test_workload_lands_as_valid_jsonl() -> None:
@@ -49,3 +52,24 @@ def test_bench_smoke(settings, spark, tmp_path) -> None:
     over_time = records["batch5_vs_batch5"]
     assert over_time["runs"] == 2 and len(over_time["per_run_ratio"]) == 2  # the median of two fresh sequences
     assert "tiny_batch_s" in ratio_table(doc["records"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_spark_engine_smoke(settings, tmp_path) -> None:
+    """The Spark-engine measures on 2k events: a Connect server the bench starts and stops, batches and the
+    bare-Spark peer in Connect clients of their own (no classic session in this process's way)."""
+    plan = replace(SMOKE, spark_engine_events=2_000, spark_tiny_runs=2)
+    doc = run_bench(settings, plan, None, tmp_path, log=lambda m: None,
+                    steps=["measure_spark_engine_sessions", "measure_spark_engine_tiny"])
+    records = {r["measure"]: r for r in doc["records"]}
+    engine = records["sessions_1m_spark_engine_vs_bare_spark"]
+    assert engine["ours"] > 0 and engine["peer"] > 0 and engine["target"] and "not 1M" in engine["notes"]
+    assert doc["measures"]["spark_engine_sessions"]["ours"]["batches"][0]["path"] == "spark_engine"
+    assert doc["measures"]["spark_engine_sessions"]["ours"]["batches"][0]["counts"]["input"] == 2_020
+    assert 0 < records["driver_rss_1m"]["ours"] < 1.5  # the client's own RSS, not the server JVM's
+    tiny = records["tiny_batch_spark_engine_s"]
+    assert 0 < tiny["in_process_s"] < tiny["ours"] and tiny["connect_s"] > 0 and "commit" in tiny["phases"]
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if "SparkConnectServer" in " ".join(p.info["cmdline"] or []) and str(tmp_path) in
+                " ".join(p.info["cmdline"] or [])]  # the bench stopped its server

@@ -60,8 +60,10 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
                     .where(F.col("et").between(bounds["lo"], bounds["hi"])).select("id"))
             accepted = firsts.join(seen, "id", "left_anti")
     accepted = accepted.select("id", "key", "value", "event_time", "arrival_time").cache()
-    totals = rows.agg(F.count(F.lit(1)).alias("rows"), F.count("reason").alias("bad")).collect()[0]
-    kept = accepted.agg(F.count(F.lit(1)).alias("n"), F.max("event_time").alias("max_et")).collect()[0]
+    # both tallies in one Spark job (each action costs a job's round trip on the server)
+    totals = kept = (rows.agg(F.count(F.lit(1)).alias("rows"), F.count("reason").alias("bad"))
+                     .crossJoin(accepted.agg(F.count(F.lit(1)).alias("n"), F.max("event_time").alias("max_et")))
+                     .collect()[0])
     good_n = totals["rows"] - totals["bad"]
     held = held_rows(the_plan)
     if held:  # files an operator held: one quarantined row each, as on the local engine
@@ -114,8 +116,17 @@ def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted,
     from pyspark.sql import functions as F
 
     batch = clock.batch
-    tally = {r["tbl"] + ":" + (r["kind"] or ""): r["n"]
-             for r in out.groupBy("tbl", "kind").agg(F.count(F.lit(1)).alias("n")).collect()}
+    # one job for every count the writes need: rows per table and kind, and the (day, hour) partitions of
+    # ``window_end`` the current rows touch
+    is_current = F.col("tbl") == "current"
+    groups = out.groupBy("tbl", "kind", F.when(is_current, F.to_date(F.timestamp_micros("window_end"))).alias("d"),
+                         F.when(is_current, F.hour(F.timestamp_micros("window_end"))).alias("h")
+                         ).agg(F.count(F.lit(1)).alias("n")).collect()
+    tally: dict[str, int] = {}
+    for r in groups:
+        tally[r["tbl"] + ":" + (r["kind"] or "")] = tally.get(r["tbl"] + ":" + (r["kind"] or ""), 0) + r["n"]
+    touched = {(r["d"].isoformat(), str(r["h"])) for r in groups if r["tbl"] == "current"}
+    state_changes = sum(r["n"] for r in groups if r["tbl"] == "state")
     pane_type, value_type = job.spec.pane_value_type, job.spec.value_type
     panes = panes_frame(out, clock)
     late = out.where("tbl = 'late'").select(
@@ -129,8 +140,10 @@ def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted,
         if tally.get(f"{table}:", 0) or table in ("quarantine", "seen_ids") or tally.get(f"{table}:value") \
                 or tally.get(f"{table}:retraction"):
             _append(job, txn, table, df, schema)
-    _rewrite_windows(job, txn, clock, out, versions.get("windows"))
-    _rewrite_current(job, txn, clock, out)
+    if state_changes:
+        _rewrite_windows(job, txn, clock, out, versions.get("windows"))
+    if touched:
+        _rewrite_current(job, txn, clock, out, touched)
     return {"late": tally.get("late:", 0), "panes": tally.get("panes:value", 0),
             "retractions": tally.get("panes:retraction", 0)}
 
@@ -189,30 +202,27 @@ def _rewrite_windows(job: BatchContext, txn: Txn, clock: BatchClock, out, versio
         same = (F.col("key") == F.col("_k")) & (F.col("_s") == F.col("_cs")) & (F.col("_e") == F.col("_ce"))
         unchanged = old_keys.join(changed, same, "left_anti").select(*WINDOWS_SCHEMA.names)
         new = unchanged.unionByName(new)
-    if changes.limit(1).count() == 0:
-        return
-    manifest = spark_io.write_files(new.orderBy(*keys), job.settings, job.settings.table_uri(job.name, "windows"))
+    # sorted within each task's file (a global orderBy costs a sampling job more): the same rows
+    partitions = int(job.spark.conf.get("spark.sql.shuffle.partitions"))
+    manifest = spark_io.write_files(new.repartition(partitions, "key").sortWithinPartitions(*keys), job.settings,
+                                    job.settings.table_uri(job.name, "windows"))
     job.commits.step("windows", lambda: commit_files(
         job.tables, job.name, "windows", manifest, WINDOWS_SCHEMA, txn, removes=removes,
         stats_columns=["key", "window_start", "window_end", "event_timer", "ptime_timer"]))
 
 
-def _rewrite_current(job: BatchContext, txn: Txn, clock: BatchClock, out) -> None:
-    """The current view copy-on-write over the (day, hour) partitions of ``window_end`` the batch touches."""
+def _rewrite_current(job: BatchContext, txn: Txn, clock: BatchClock, out, parts: set[tuple[str, str]]) -> None:
+    """The current view copy-on-write over the (day, hour) partitions of ``window_end`` the batch touches
+    (``parts``: ISO day, hour)."""
     from pyspark.sql import functions as F
 
     rows = out.where("tbl = 'current'")
-    touched = rows.select(F.to_date(F.timestamp_micros("window_end")).alias("d"),
-                          F.hour(F.timestamp_micros("window_end")).alias("h")).distinct().collect()
-    if not touched:
-        return
     on = ["key", "window_start", "window_end"] + (["pane_index"] if job.spec.mode.value == "discarding" else [])
     pane_type = job.spec.pane_value_type
     current = rows.select("key", _ts("window_start"), _ts("window_end"), F.col("pane_value").alias("value"),
                           "pane_index", "timing", F.lit(clock.batch).alias("batch"), "deleted")
     current = current.withColumn("window_end_day", F.to_date("window_end")).withColumn(
         "window_end_hour", F.hour("window_end").cast("int"))
-    parts = {(r["d"].isoformat(), str(r["h"])) for r in touched}
     dt = job.tables.open(job.name, "current")
     removes = [] if dt is None else [a for a in live_files(job.tables, job.name, "current", dt.version())
                                      if (a["partition_values"].get("window_end_day"),

@@ -1,0 +1,81 @@
+"""One Spark Connect client in its own process, as an Airflow task is: ``python -m bench.connect_client REQ OUT``.
+
+Why a process of its own: a task is a fresh interpreter that connects to the warm server and runs a batch, so
+its start-up counts; the peak RSS measured here (the kernel's high-water mark of this process) is the
+client's own, not the server JVM's; and a process holding a classic SparkSession (the bench's) cannot open
+a Connect session.
+
+``REQ`` (JSON): ``url`` (sc://...), ``mode`` ("batches" or "bare"), and for "batches" ``pipelines`` (pipeline
+documents) and ``steps`` ([pipeline index, processing time us, watermark us or null], run in order),
+``validate``; for "bare" ``kind``, ``prefix``, ``batch`` (null: every landing file) and ``runs``.
+``OUT`` receives the result (JSON): wall-clock marks (``started_at``, ``imported_at``, ``connected_at``), each
+batch's seconds, phases, counts and ``ended_at``, and ``peak_rss_bytes``.
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED_AT = time.time()  # before any import: the interpreter's own start-up is the parent's to add
+
+import json  # noqa: E402
+import resource  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+
+def run(req: dict[str, Any]) -> dict[str, Any]:
+    from millpond.config import load_settings
+
+    if req["mode"] == "batches":
+        from millpond.model.spec import pipeline_from_dict
+        from millpond.model.timeutil import to_datetime
+        from millpond.runtime.job import run_batch
+    from millpond.runtime.spark_client import connect
+
+    out: dict[str, Any] = {"started_at": STARTED_AT, "imported_at": time.time()}
+    # the product's default: every batch on the Spark engine (engine.local_below 0), as `make up` deploys it
+    settings = load_settings().with_overrides(engine="spark", engine_local_below=0, spark_connect=req["url"])
+    t = time.perf_counter()
+    spark = connect(settings)
+    out["connect_s"] = round(time.perf_counter() - t, 4)
+    out["connected_at"] = time.time()
+    if req["mode"] == "batches":
+        specs = [pipeline_from_dict(doc) for doc in req["pipelines"]]
+        batches = []
+        for index, processing_time, watermark in req["steps"]:
+            t = time.perf_counter()
+            r = run_batch(settings, specs[index], to_datetime(processing_time),
+                          watermark=None if watermark is None else to_datetime(watermark), spark=spark,
+                          validate=bool(req.get("validate")))
+            batches.append({"pipeline": index, "batch": r.batch, "seconds": round(time.perf_counter() - t, 4),
+                            "ended_at": time.time(), "path": "spark_engine" if "dedup" not in r.phases else "driver",
+                            "phases": {k: round(v, 4) for k, v in r.phases.items()}, "counts": r.counts})
+        out["batches"] = batches
+    else:
+        from bench.harness import bare_aggregate, landing_table
+
+        runs = []
+        for _ in range(max(1, int(req.get("runs", 1)))):
+            t0 = time.perf_counter()
+            table = landing_table(settings, req["prefix"], req.get("batch"))
+            t1 = time.perf_counter()
+            windows = bare_aggregate(spark, table, req["kind"]).num_rows
+            t2 = time.perf_counter()
+            runs.append({"seconds": round(t2 - t0, 4), "read_s": round(t1 - t0, 4), "spark_s": round(t2 - t1, 4),
+                         "events": table.num_rows, "windows": windows, "ended_at": time.time()})
+            del table
+        out["runs"] = runs
+    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return out
+
+
+def main(argv: list[str]) -> int:
+    req = json.loads(Path(argv[0]).read_text())
+    Path(argv[1]).write_text(json.dumps(run(req), default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

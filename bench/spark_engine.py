@@ -1,0 +1,282 @@
+"""The Spark engine's measures: batches as PySpark jobs on a warm Spark Connect server, run by Connect clients in
+processes of their own (``bench.connect_client``), as Airflow tasks are.
+
+The bench starts one Connect server (``orchestration.spark_server``, ``local[*]`` and the deployment's
+settings, as ``make up`` does) on free loopback ports the first time a measure needs it, warms it with one
+throwaway batch, and stops it at the end. The bare-Spark peer runs on the same server, so both sides have the
+same resources. Records (see bench/README.md): ``sessions_1m_spark_engine_vs_bare_spark``, ``driver_rss_1m``,
+``driver_rss_10m_vs_1m`` (``--full``), ``tiny_batch_spark_engine_s``, ``validation_share_1m_spark``,
+``batch50_vs_batch5_spark``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import millpond
+from millpond.orchestration.processes import read_pid
+from millpond.orchestration.spark_server import SparkConnectServer, _free_port
+
+if TYPE_CHECKING:
+    from bench.harness import Workload
+
+GIB = 1024**3
+BENCH_ROOT = Path(__file__).resolve().parents[1]
+
+SPARK_ENGINE_TARGETS = {
+    "sessions_1m_spark_engine_vs_bare_spark": "ours <= 1.5x bare Spark's time on the same Connect server",
+    "driver_rss_1m": "<= 1.5 GiB (the Connect client's peak RSS)",
+    "driver_rss_10m_vs_1m": "10M <= 1.25x the 1M figure, both <= 1.5 GiB",
+    "tiny_batch_spark_engine_s": "<= 2 s median, task start -> commit marker",
+    "validation_share_1m_spark": "<= 0.25 of the batch's time",
+    "batch50_vs_batch5_spark": "batch 50 <= 1.2x batch 5",
+}
+
+
+def _size(n: int) -> str:
+    return f"{n // 1_000_000}m" if n >= 1_000_000 and n % 1_000_000 == 0 else (
+        f"{n // 1000}k" if n % 1000 == 0 else str(n))
+
+
+class SparkEngineMeasures:
+    """Measure methods of ``bench.harness.Bench`` for the Spark engine (mixed in; the harness's run list calls
+    them)."""
+
+    # the server ---------------------------------------------------------------------------------
+    def connect_url(self) -> str:
+        """The bench's Connect server (started and warmed on first use)."""
+        server: SparkConnectServer | None = self.connect_server
+        if server is None:
+            home = self.workdir / "spark-connect"
+            home.mkdir(parents=True, exist_ok=True)
+            server = SparkConnectServer(self.settings.with_overrides(
+                home=home, spark_connect_port=_free_port(), spark_ui_port=_free_port(), spark_connect=""))
+            t = time.perf_counter()
+            server.start()
+            self.connect_server = server
+            if self.sampler is not None:  # its JVM is not ours: the other measures' memory windows leave it out
+                self.sampler.also_exclude.append(lambda: read_pid(server.pidfile))
+            self.log(f"Spark Connect server ({server.master}) up in {time.perf_counter() - t:.1f}s at {server.url}")
+            self._warm_up(server.url)
+        return server.url
+
+    def _warm_up(self, url: str) -> None:
+        """One throwaway 1k-event batch: the server's Python workers and data sources are warm, as in a stack
+        that has run batches before."""
+        wl = self.workload(1_000, 100, batches=1, seed=5)
+        t = time.perf_counter()
+        self.client({"mode": "batches", "pipelines": [self._doc("sessions", wl)], "steps": self._steps(wl, [0])},
+                    url=url)
+        self.log(f"  warm-up batch in a fresh client: {time.perf_counter() - t:.1f}s")
+
+    def close_connect_server(self) -> None:
+        if self.connect_server is not None:
+            self.connect_server.stop()
+            self.connect_server = None
+
+    # clients ------------------------------------------------------------------------------------
+    def _doc(self, kind: str, wl: Workload) -> dict[str, Any]:
+        return {**self.pipeline(kind, wl).raw, "name": f"bench_{kind}_se_{uuid.uuid4().hex[:8]}"}
+
+    @staticmethod
+    def _steps(wl: Workload, batches: list[int], pipeline: int = 0) -> list[list[Any]]:
+        return [[pipeline, wl.spec.start_us + (i + 1) * wl.spec.interval_us, None] for i in batches]
+
+    def client(self, request: dict[str, Any], url: str | None = None, timeout: float = 3600) -> dict[str, Any]:
+        """Run one Connect client process; its result, with ``spawned_at`` (the wall clock just before the
+        spawn: a task's start) and ``process_s`` (spawn to exit)."""
+        folder = self.workdir / "clients"
+        folder.mkdir(parents=True, exist_ok=True)
+        tag = uuid.uuid4().hex[:8]
+        req, out = folder / f"{tag}-req.json", folder / f"{tag}-out.json"
+        req.write_text(json.dumps({"url": url or self.connect_url(), **request}, default=str))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(millpond.__file__).resolve().parents[1]),
+                                                          str(BENCH_ROOT), env.get("PYTHONPATH")]))
+        spawned = time.time()
+        proc = subprocess.run([sys.executable, "-m", "bench.connect_client", str(req), str(out)], env=env,
+                              cwd=BENCH_ROOT, capture_output=True, text=True, timeout=timeout)
+        exited = time.time()
+        if proc.returncode != 0:
+            tail = " | ".join(proc.stderr.strip().splitlines()[-4:])
+            raise RuntimeError(f"Connect client failed ({proc.returncode}): {tail}")
+        res = json.loads(out.read_text())
+        req.unlink(missing_ok=True)
+        out.unlink(missing_ok=True)
+        res["spawned_at"], res["process_s"] = spawned, round(exited - spawned, 4)
+        res["startup_s"] = round(res["connected_at"] - res["connect_s"] - spawned, 4)
+        res["peak_rss_gib"] = round(res["peak_rss_bytes"] / GIB, 3)
+        return res
+
+    def spark_engine_batch(self, kind: str, wl: Workload, validate: bool = False) -> dict[str, Any]:
+        """All of ``wl``'s batches of a fresh pipeline in one fresh client; the one-batch figures flattened."""
+        res = self.client({"mode": "batches", "pipelines": [self._doc(kind, wl)],
+                           "steps": self._steps(wl, list(range(wl.spec.batches))), "validate": validate})
+        res["seconds"] = round(sum(b["seconds"] for b in res["batches"]), 4)
+        res["events"] = wl.input_events
+        res["phases"] = {k: round(sum(b["phases"].get(k, 0.0) for b in res["batches"]), 4)
+                         for k in res["batches"][0]["phases"]}
+        return res
+
+    def bare_on_connect(self, kind: str, wl: Workload, runs: int = 1, batch: int | None = None) -> dict[str, Any]:
+        return self.client({"mode": "bare", "kind": kind, "prefix": wl.prefix, "batch": batch, "runs": runs})
+
+    def _spark_record(self, measure: str, *args: Any, **extra: Any) -> None:
+        self.record(measure, *args, target=SPARK_ENGINE_TARGETS[measure], engine="spark (Connect client)", **extra)
+
+    # measures -----------------------------------------------------------------------------------
+    def measure_spark_engine_sessions(self) -> None:
+        """1M events of the sessions kind as one batch on the Spark engine vs bare Spark on the same server;
+        the client's peak RSS at 1M (and at 10M under ``--full``)."""
+        n = self.plan.spark_engine_events
+        if not n:
+            return
+        url = self.connect_url()
+        wl = self.workload(n, self.plan.keys(n))
+        self.log(f"Spark engine: one batch of {wl.input_events} events, {wl.spec.keys} keys, sessions (Connect client)")
+        ours = self.spark_engine_batch("sessions", wl)
+        self.log(f"  ours {ours['seconds']}s {ours['phases']}; client peak RSS {ours['peak_rss_gib']} GiB")
+        bare = self.bare_on_connect("sessions", wl, runs=2)
+        bare_s = min(r["seconds"] for r in bare["runs"])
+        self.log(f"  bare Spark on the same server {[r['seconds'] for r in bare['runs']]}s; "
+                 f"client peak RSS {bare['peak_rss_gib']} GiB")
+        out: dict[str, Any] = {"url": url, "events": wl.input_events, "ours": ours, "bare_spark": bare}
+        note = "" if n == 1_000_000 else f" ({wl.input_events} events: this plan's size, not 1M)"
+        self._spark_record(
+            "sessions_1m_spark_engine_vs_bare_spark", ours["seconds"], bare_s,
+            "bare Spark dropDuplicates + groupBy(key, session_window) + sum over the same landing files (pyarrow "
+            "read, createDataFrame, toArrow) in a Connect client of the same server", "s", True,
+            events=wl.input_events, keys=wl.spec.keys, phases=ours["phases"], counts=ours["batches"][0]["counts"],
+            peer_runs_seconds=[r["seconds"] for r in bare["runs"]],
+            notes="ours: run_batch in a fresh Connect client (connect excluded, "
+                  f"{ours['connect_s']}s); peer: the faster of two runs in one client" + note)
+        self._spark_record(
+            "driver_rss_1m", ours["peak_rss_gib"], bare["peak_rss_gib"],
+            "the bare-Spark peer's client process (it holds the events as Arrow)", "GiB", True,
+            events=wl.input_events,
+            notes="peak RSS (kernel high-water mark) of the Connect client process that ran the batch, "
+                  "interpreter and imports included; the server JVM is not in it" + note)
+        big = self.plan.spark_engine_big_events
+        if big:
+            wl10 = self.workload(big, self.plan.keys(big))
+            self.log(f"Spark engine: one batch of {wl10.input_events} events (client RSS)")
+            res = self.spark_engine_batch("sessions", wl10)
+            self.log(f"  ours {res['seconds']}s {res['phases']}; client peak RSS {res['peak_rss_gib']} GiB")
+            out["ours_big"] = res
+            self._spark_record(
+                "driver_rss_10m_vs_1m", res["peak_rss_gib"], ours["peak_rss_gib"],
+                f"the same client's peak at {wl.input_events} events", "GiB", True,
+                events=wl10.input_events, seconds=res["seconds"], phases=res["phases"],
+                notes=f"peak RSS of the Connect client at {wl10.input_events} vs {wl.input_events} events; "
+                      "target: ratio <= 1.25 and both <= 1.5 GiB")
+        self.measures["spark_engine_sessions"] = out
+
+    def measure_spark_engine_tiny(self) -> None:
+        """A 1k-event batch per fresh client process, as an Airflow task runs one: start -> commit marker."""
+        n, runs = self.plan.tiny_events, self.plan.spark_tiny_runs
+        if not n or not runs:
+            return
+        runs = max(2, runs)
+        url = self.connect_url()
+        wl = self.workload(n * runs, max(10, n // 10), batches=runs, seed=11)
+        self.log(f"Spark engine tiny batches: {runs} x {n} events, one fresh client process each")
+        doc = self._doc("sessions", wl)
+        samples = []
+        for i in range(runs):
+            res = self.client({"mode": "batches", "pipelines": [doc], "steps": self._steps(wl, [i])}, url=url)
+            b = res["batches"][0]
+            samples.append({"task_s": round(b["ended_at"] - res["spawned_at"], 4), "startup_s": res["startup_s"],
+                            "connect_s": res["connect_s"], "batch_s": b["seconds"],
+                            "in_process_s": round(res["connect_s"] + b["seconds"], 4), "process_s": res["process_s"],
+                            "phases": b["phases"], "peak_rss_gib": res["peak_rss_gib"]})
+        steady = samples[1:]  # the first batch also creates the tables
+        bare = []
+        for _ in range(3):
+            res = self.bare_on_connect("sessions", wl, batch=0)
+            bare.append(round(res["runs"][0]["ended_at"] - res["spawned_at"], 4))
+
+        def med(key: str) -> float:
+            return round(statistics.median(s[key] for s in steady), 4)
+
+        phases = {k: round(statistics.median(s["phases"].get(k, 0.0) for s in steady), 4)
+                  for k in steady[0]["phases"]}
+        self.log(f"  task start -> marker {[s['task_s'] for s in samples]}s; in-process "
+                 f"{[s['in_process_s'] for s in samples]}s; bare Spark client {bare}s")
+        self.measures["spark_engine_tiny"] = {"samples": samples, "bare_spark_task_s": bare}
+        self._spark_record(
+            "tiny_batch_spark_engine_s", med("task_s"), round(statistics.median(bare), 4),
+            "bare Spark session_window over the same 1k events in a fresh Connect client (start -> result)", "s",
+            True, samples=[s["task_s"] for s in samples], startup_s=med("startup_s"), connect_s=med("connect_s"),
+            batch_s=med("batch_s"), in_process_s=med("in_process_s"), phases=phases,
+            notes=f"median of batches 2..{runs} ({n} events each, no validation), each a fresh Python process "
+                  "(spawn -> the marker's commit); startup_s = interpreter + imports, in_process_s = connect + "
+                  "run_batch; phases: the batch's own")
+
+    def measure_spark_engine_validation(self) -> None:
+        """The validated batch's validation phase over its whole time, 1M events on the Spark engine."""
+        n = self.plan.spark_validation_events
+        if not n:
+            return
+        self.connect_url()
+        wl = self.workload(n, self.plan.keys(n))
+        self.log(f"Spark engine: one validated batch of {wl.input_events} events (Connect client)")
+        res = self.spark_engine_batch("sessions", wl, validate=True)
+        val = res["phases"].get("validation", 0.0)
+        self.log(f"  validation {val:.2f}s of {res['seconds']}s; {res['phases']}")
+        self.measures["spark_engine_validation"] = res
+        note = "" if n == 1_000_000 else f" ({wl.input_events} events: this plan's size, not 1M)"
+        self._spark_record("validation_share_1m_spark", round(val / res["seconds"], 3), None, None,
+                           "fraction of batch time", True, validation_seconds=round(val, 3),
+                           batch_seconds=res["seconds"], events=wl.input_events, phases=res["phases"],
+                           peak_rss_gib=res["peak_rss_gib"],
+                           notes="validate=True as the DAG's task runs it; one fresh client" + note)
+
+    def measure_spark_engine_over_time(self) -> None:
+        """``batch50_vs_batch5`` on the Spark engine: each repeat is one client running a fresh pipeline's
+        ``nb`` batches, its last five interleaved with the first five of another fresh pipeline."""
+        nb, reps = self.plan.over_time_batches, max(1, self.plan.spark_over_time_repeats)
+        if nb < 5 or not self.plan.spark_over_time_repeats:
+            return
+        self.connect_url()
+        wl = self.workload(self.plan.over_time_events * nb, self.plan.over_time_keys, batches=nb, seed=17)
+        self.log(f"Spark engine over time: {nb} batches of ~{self.plan.over_time_events} events, {reps} runs")
+        runs, fresh = [], []
+        for _ in range(reps):
+            steps = self._steps(wl, list(range(nb - 5)))
+            for j in range(5):
+                steps += self._steps(wl, [nb - 5 + j]) + self._steps(wl, [j], pipeline=1)
+            res = self.client({"mode": "batches", "pipelines": [self._doc("sessions", wl), self._doc("sessions", wl)],
+                               "steps": steps})
+            seq = [b for b in res["batches"] if b["pipeline"] == 0]
+            beside = [b for b in res["batches"] if b["pipeline"] == 1]
+            runs.append(seq)
+            fresh.append(beside)
+            self.log("  batch seconds: " + " ".join(f"{b['seconds']:.2f}" for b in seq)
+                     + " | fresh pipeline beside the last five: " + " ".join(f"{b['seconds']:.2f}" for b in beside))
+        secs = [statistics.median(r[i]["seconds"] for r in runs) for i in range(nb)]
+        fifth = statistics.median(f[4]["seconds"] for f in fresh)
+        mid = len(secs) // 2
+        self.measures["spark_engine_over_time"] = {
+            "events": wl.input_events, "median_batch_seconds": [round(x, 4) for x in secs],
+            "runs": [{"batch_seconds": [b["seconds"] for b in r]} for r in runs],
+            "fresh_beside_last_five": [[b["seconds"] for b in f] for f in fresh],
+            "batches": runs[-1], "fresh_batches": fresh[-1]}
+        self.record(
+            f"batch{nb}_vs_batch5_spark", round(secs[-1], 4), round(fifth, 4),
+            f"batch 5 of a fresh pipeline on the same events, run right after our batch {nb} (same client)", "s",
+            True, target=SPARK_ENGINE_TARGETS["batch50_vs_batch5_spark"], engine="spark (Connect client)", runs=reps,
+            per_run_ratio=[round(r[-1]["seconds"] / f[4]["seconds"], 3) for r, f in zip(runs, fresh, strict=True)],
+            same_sequence_ratio=round(secs[-1] / secs[4], 3),
+            median_last5_vs_batches3to7=round(statistics.median(secs[-5:]) / statistics.median(secs[2:7]), 3),
+            median_last5_vs_middle5=round(statistics.median(secs[-5:]) / statistics.median(secs[mid - 2:mid + 3]), 3),
+            phases_last=runs[-1][-1]["phases"], phases_fresh5=fresh[-1][4]["phases"],
+            notes=f"as batch{nb}_vs_batch5, on the Spark engine: one Connect client per repeat runs all the batches "
+                  f"(as `millpond run` does), median of {reps} repeats")
