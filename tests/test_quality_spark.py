@@ -264,7 +264,7 @@ def test_spark_connect_client_validates_on_spark(settings, tmp_path) -> None:
     try:
         doc = {"name": spec.name, "source": {"prefix": spec.source_prefix}, **DOC}
         proc = subprocess.run([sys.executable, "-c", CONNECT_CLIENT, json.dumps(doc), server_settings.spark_connect_url,
-                               json.dumps([to_datetime(hi).isoformat() for _, hi in schedule])],
+                               json.dumps([hi for _, hi in schedule])],
                               capture_output=True, text=True, timeout=900, env=dict(os.environ))
     finally:
         server.stop()

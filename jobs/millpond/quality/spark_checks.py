@@ -26,8 +26,9 @@ def _col_names(df: Any) -> set[str]:
 def prepare_raw(df: Any) -> Any:
     """Add ``chk_event_time_unparseable`` and ``event_time_epoch_s`` (null when not parseable).
 
-    Timestamps and dates are taken as they are, numbers as epoch seconds, strings as ISO-8601
-    (Spark's timestamp cast: a string without a zone is in the session time zone, UTC here)."""
+    Timestamps and dates are taken as they are, numbers as epoch seconds, strings as ISO-8601 in its
+    extended form (Spark's timestamp cast: a string without a zone is in the session time zone, UTC
+    here; pandas also reads the basic form ``20260101``, Spark does not)."""
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
