@@ -21,11 +21,14 @@ log = logging.getLogger(__name__)
 
 SITE = "millpond"
 DATASOURCE = "millpond_pandas"
+SPARK_DATASOURCE = "millpond_spark"
+PANDAS, SPARK = "pandas", "spark"
 BATCH_DEFINITION = "whole_dataframe"
 DEFAULT_KEEP = 100
 
 _LOCK = threading.RLock()  # GX is not thread-safe: one validation at a time per process
 _CONTEXTS: dict[Path, Any] = {}
+_SPARK_READY: set[Path] = set()  # homes whose cached context has the Spark checkpoints
 
 
 # -- context -----------------------------------------------------------------------------------
@@ -116,17 +119,31 @@ def _ensure_suite(context: Any, name: str) -> Any:
     return context.suites.add(suite)
 
 
-def _ensure_checkpoint(context: Any, suite_name: str) -> Any:
+def checkpoint_name(suite_name: str, engine: str = PANDAS) -> str:
+    """The checkpoint validating ``suite_name`` on pandas frames or (``SPARK``) on Spark DataFrames."""
+    return f"{suite_name}_checkpoint" if engine == PANDAS else f"{suite_name}_{engine}_checkpoint"
+
+
+def _ensure_checkpoint(context: Any, suite_name: str, engine: str = PANDAS) -> Any:
+    """Get-or-create the checkpoint, its validation definition and its datasource's dataframe asset.
+
+    The Spark datasource does not persist batches (GX's default persists each one and never unpersists)
+    and is given no ``spark_config`` (GX could restart the session): it uses the process's session, a
+    classic one or a Spark Connect client's. GX opens that session when the datasource is added, so it
+    is added on the first Spark validation, not with the context."""
     import great_expectations as gx
 
+    name = checkpoint_name(suite_name, engine)
     try:
-        return context.checkpoints.get(f"{suite_name}_checkpoint")
+        return context.checkpoints.get(name)
     except Exception:  # noqa: BLE001
         pass
+    source_name = DATASOURCE if engine == PANDAS else SPARK_DATASOURCE
     try:
-        source = context.data_sources.get(DATASOURCE)
+        source = context.data_sources.get(source_name)
     except Exception:  # noqa: BLE001
-        source = context.data_sources.add_pandas(DATASOURCE)
+        source = (context.data_sources.add_pandas(source_name) if engine == PANDAS
+                  else context.data_sources.add_spark(source_name, persist=False))
     try:
         asset = source.get_asset(suite_name)
     except LookupError:
@@ -135,37 +152,50 @@ def _ensure_checkpoint(context: Any, suite_name: str) -> Any:
         batch_definition = asset.get_batch_definition(BATCH_DEFINITION)
     except (KeyError, LookupError):
         batch_definition = asset.add_batch_definition_whole_dataframe(BATCH_DEFINITION)
-    vd_name = f"{suite_name}_validation"
+    vd_name = f"{suite_name}_validation" if engine == PANDAS else f"{suite_name}_{engine}_validation"
     try:
         definition = context.validation_definitions.get(vd_name)
     except Exception:  # noqa: BLE001
         definition = context.validation_definitions.add(
             gx.ValidationDefinition(name=vd_name, data=batch_definition, suite=context.suites.get(suite_name)))
     return context.checkpoints.add(gx.Checkpoint(
-        name=f"{suite_name}_checkpoint", validation_definitions=[definition], actions=[],
+        name=name, validation_definitions=[definition], actions=[],
         result_format={"result_format": "SUMMARY", "partial_unexpected_count": 5}))
 
 
-def get_context(settings: Settings) -> Any:
-    """The project's file GX context (cached per home): config, suites, datasource, checkpoints."""
+def get_context(settings: Settings, engine: str = PANDAS) -> Any:
+    """The project's file GX context (cached per home): config, suites, datasources, checkpoints.
+
+    ``engine=SPARK`` also makes sure of the Spark checkpoints; the first time in a process the context is
+    read again under the file lock, so a datasource another process added meanwhile is seen, not re-added."""
     root = gx_root(settings)
     with _LOCK:
-        if root in _CONTEXTS:
-            return _CONTEXTS[root]
-        import great_expectations as gx
-
+        context = _CONTEXTS.get(root)
+        if context is not None and (engine == PANDAS or root in _SPARK_READY):
+            return context
         if not settings.expectations_path.is_dir():
             raise MillpondError(f"expectation suites folder missing: {settings.expectations_path}")
         for name in ("great_expectations", "great_expectations.core.usage_statistics"):
             logging.getLogger(name).setLevel(logging.WARNING)
         with file_lock(settings):
-            _write_config(root, settings)
-            context = gx.get_context(mode="file", project_root_dir=str(root.parent))
-            for suite in qs.SUITES:
-                _ensure_suite(context, suite)
-                _ensure_checkpoint(context, suite)
+            context = _load(root, settings)
+            if engine == SPARK:
+                for suite in qs.SUITES:
+                    _ensure_checkpoint(context, suite, SPARK)
+                _SPARK_READY.add(root)
         _CONTEXTS[root] = context
         return context
+
+
+def _load(root: Path, settings: Settings) -> Any:
+    import great_expectations as gx
+
+    _write_config(root, settings)
+    context = gx.get_context(mode="file", project_root_dir=str(root.parent))
+    for suite in qs.SUITES:
+        _ensure_suite(context, suite)
+        _ensure_checkpoint(context, suite)
+    return context
 
 
 def validation_result_path(settings: Settings, vrid: Any) -> Path:

@@ -1,12 +1,15 @@
-"""The three expectation suites, and the pandas checks GX cannot express on its own.
+"""The three expectation suites, and the checks GX cannot express on its own (pandas; Spark alike).
 
 The committed JSON under ``expectations/`` is what runs and what reviewers read; these definitions
-create it when it is missing and a test keeps the two from drifting apart.
+create it when it is missing and a test keeps the two from drifting apart. The same suites run on
+pandas frames (local engine) and on Spark DataFrames (Spark engine): where an expectation names
+engine types, it lists both engines' names.
 
 Checks that need more than one row at a time (a retraction must match the value emitted before it;
-live sessions of a key must not overlap) are computed here with pandas into ``chk_*`` columns, then
-asserted by ordinary GX expectations: they land in the same validation result, Data Docs page and
-severity handling as every other expectation.
+live sessions of a key must not overlap) are computed into ``chk_*`` columns — here with pandas, in
+:mod:`millpond.quality.spark_checks` with Spark's functions — then asserted by ordinary GX
+expectations: they land in the same validation result, Data Docs page and severity handling as every
+other expectation.
 """
 
 from __future__ import annotations
@@ -35,10 +38,13 @@ PANE_COLUMNS = [
 STATE_COLUMNS = ["key", "window_start", "window_end", "state", "event_timer", "ptime_timer", "batch"]
 PANE_KEY = ["key", "window_start", "window_end", "pane_index", "kind"]
 
-# Numeric Python/numpy type names accepted for an event's value (bool is deliberately absent).
+# Numeric type names accepted for an event's value (bool is deliberately absent): Python/numpy/pandas
+# names for the pandas engine, pyspark.sql.types names for the Spark engine (GX's Spark check compares
+# the column's Spark type; each engine ignores the other's names).
 NUMERIC_TYPES = [
     "int", "float", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float16", "float32", "float64", "Int64", "Float64",
+    "ByteType", "ShortType", "IntegerType", "LongType", "FloatType", "DoubleType", "DecimalType",
 ]
 
 # Values of the retraction check column.
@@ -58,11 +64,12 @@ def suite_definitions() -> dict[str, list[dict[str, Any]]]:
         *[_e("expect_column_values_to_not_be_null", CRITICAL, "needed to deduplicate, group and window", column=c)
           for c in ("id", "key", "event_time")],
         _e("expect_column_values_to_be_in_set", CRITICAL,
-           "event_time must be ISO-8601 or epoch seconds (chk_event_time_unparseable is computed with pandas)",
+           "event_time must be ISO-8601 or epoch seconds (chk_event_time_unparseable is computed by the "
+           "frame's engine)",
            column="chk_event_time_unparseable", value_set=[False]),
         _e("expect_column_values_to_be_between", WARNING,
            "plausible event time: not before 1970, at most the tolerance (default 1 day) after the batch's "
-           "processing time (event_time_epoch_s is computed with pandas)",
+           "processing time (event_time_epoch_s is computed by the frame's engine)",
            column="event_time_epoch_s", min_value=0.0, max_value={"$PARAMETER": "max_event_epoch_s"}),
         _e("expect_column_values_to_not_be_null", CRITICAL, "aggregations need a value", column="value"),
         _e("expect_column_values_to_be_in_type_list", CRITICAL, "value must be numeric",
@@ -85,8 +92,8 @@ def suite_definitions() -> dict[str, list[dict[str, Any]]]:
         _e("expect_column_values_to_be_between", CRITICAL, "pane indices count from 0",
            column="pane_index", min_value=0.0),
         _e("expect_column_values_to_be_in_set", CRITICAL,
-           "a retraction retracts the last value emitted for its window (chk_retraction is computed with "
-           "pandas over the pane log)",
+           "a retraction retracts the last value emitted for its window (chk_retraction is computed by the "
+           "frame's engine over the pane log)",
            column="chk_retraction", value_set=[MATCHED]),
         _e("expect_column_values_to_not_be_in_set", WARNING,
            "most panes late: the watermark is probably too aggressive", column="timing",
@@ -103,7 +110,7 @@ def suite_definitions() -> dict[str, list[dict[str, Any]]]:
            column_A="window_end", column_B="window_start", or_equal=False),
         _e("expect_column_values_to_be_in_set", CRITICAL,
            "live sessions of one key never overlap: they must have been merged (chk_overlaps_earlier is "
-           "computed with pandas)",
+           "computed by the frame's engine)",
            column="chk_overlaps_earlier", value_set=[False]),
         _e("expect_column_values_to_be_json_parseable", CRITICAL, "state is serialized as JSON", column="state"),
         _e("expect_column_values_to_not_be_null", WARNING,

@@ -5,7 +5,12 @@ Why this shape:
   there); everything GX writes at run time (config, checkpoints, validation results, Data Docs)
   lives under ``settings.home/gx`` so the repository stays clean. Everything is get-or-create:
   nothing is rewritten with fresh UUIDs on start.
-- DataFrames are validated with pandas: Spark has a 3-10 s fixed cost per checkpoint.
+- Frames are validated where they live: pandas frames (the local engine) with GX's pandas engine,
+  Spark DataFrames (the Spark engine, a classic or a Spark Connect session) with GX's Spark engine, so a
+  Spark batch's rows never come to the driver (only aggregates and GX's few unexpected examples do).
+  The ``chk_*`` helper columns are computed by the same engine (:mod:`millpond.quality.suites` with
+  pandas, :mod:`millpond.quality.spark_checks` with Spark's functions; a test keeps them equal). Spark
+  pays a fixed cost per checkpoint (a few seconds: GX runs a Spark job per metric), pandas none.
 - GX is not thread-safe, so one validation runs at a time per process; a file lock serialises
   the few writes (set-up, pruning, index builds) between processes sharing ``settings.home``.
 - Severity lives in each expectation's ``meta`` (and GX's own ``severity`` field): a critical
@@ -22,12 +27,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import pandas as pd
-
 from millpond.config import Settings
 from millpond.quality import suites as qs
 from millpond.quality.context import (
     _LOCK,
+    PANDAS,
+    SPARK,
+    checkpoint_name,
     file_lock,
     get_context,
     keep_results,
@@ -96,10 +102,10 @@ def validate_batch(
     pipeline: str,
     batch: int,
     *,
-    raw: pd.DataFrame | None,
-    panes: pd.DataFrame | None,
-    state: pd.DataFrame | None,
-    prior_panes: pd.DataFrame | None = None,
+    raw: Any,
+    panes: Any,
+    state: Any,
+    prior_panes: Any = None,
     processing_time: datetime | None = None,
     window_type: str | None = None,
     future_tolerance: timedelta = DEFAULT_FUTURE_TOLERANCE,
@@ -107,6 +113,8 @@ def validate_batch(
 ) -> QualityReport:
     """Validate what one batch read, emitted and left as state; never raises on bad data.
 
+    The frames are pandas DataFrames or Spark DataFrames (all of one kind, ``prior_panes`` too): Spark
+    ones are validated on Spark, cached while their suites run and unpersisted after.
     ``processing_time`` (default now) bounds plausible event times; ``window_type`` 'sliding' or
     'custom' turns off the session-overlap check (such windows overlap by design); ``render`` writes
     this run's Data Docs pages right away (incremental: the index is rebuilt by :func:`build_data_docs`,
@@ -114,44 +122,76 @@ def validate_batch(
     so its error can point at one.
     """
     start = time.perf_counter()  # includes the one-time GX import and set-up: the first batch pays it
-    from great_expectations.core.run_identifier import RunIdentifier
-
     report = QualityReport(pipeline, batch)
     now = processing_time or datetime.now(UTC)
-    frames = {
-        qs.RAW: None if raw is None else qs.prepare_raw(raw),
-        qs.PANES: None if panes is None else qs.prepare_panes(panes, prior_panes),
-        qs.STATE: None if state is None else qs.prepare_state(state, window_type),
-    }
+    engine = _engine(raw, panes, state, prior_panes)
+    frames = _prepare(engine, raw, panes, state, prior_panes, window_type)
     params = {"max_event_epoch_s": (now + future_tolerance).timestamp()}
-    with _LOCK:
-        context = get_context(settings)
-        identifiers = []
-        for suite, df in frames.items():
-            if df is None:
-                continue
-            checkpoint = context.checkpoints.get(f"{suite}_checkpoint")
-            # run_time given: without it GX parses the run name as a date, and a pipeline named like
-            # "t7203516975" overflows dateutil (or, worse, dates the run in year 7203516975).
-            result = checkpoint.run(batch_parameters={"dataframe": df}, expectation_parameters=params,
-                                    run_id=RunIdentifier(run_name=f"{pipeline}-{batch}", run_time=datetime.now(UTC)))
-            for vrid, vr in result.run_results.items():
-                identifiers.append(vrid)
-                report.suites[suite] = bool(vr.success)
-                for r in vr.results:
-                    if r.success:
-                        continue
-                    target = report.critical_failures if severity_of(r) == qs.CRITICAL else report.warnings
-                    target.append(_describe(suite, r))
-        with file_lock(settings):
-            prune_results(context, settings, keep_results(settings))
-            if identifiers and (render or not report.ok):
-                from millpond.quality.datadocs import render_pages
-
-                report.result_urls = render_pages(context, settings, identifiers)
-            else:
-                report.result_urls = [str(validation_result_path(settings, i)) for i in identifiers]
-            report.pages = [str(validation_page_path(settings, i)) for i in identifiers]
+    try:
+        with _LOCK:
+            _run(settings, pipeline, batch, engine, frames, params, report, render)
+    finally:
+        if engine == SPARK:
+            for df in frames.values():
+                if df is not None:
+                    df.unpersist()
     report.seconds = time.perf_counter() - start
     (log.warning if not report.ok else log.info)(report.summary())
     return report
+
+
+def _engine(*frames: Any) -> str:
+    """SPARK when the frames are Spark DataFrames (classic or Connect), else PANDAS; never both."""
+    kinds = {SPARK if type(f).__module__.startswith("pyspark.") else PANDAS for f in frames if f is not None}
+    if len(kinds) > 1:
+        raise TypeError("validate_batch takes pandas frames or Spark DataFrames, not both")
+    return kinds.pop() if kinds else PANDAS
+
+
+def _prepare(engine: str, raw: Any, panes: Any, state: Any, prior: Any, window_type: str | None) -> dict[str, Any]:
+    """The frames with their ``chk_*`` columns, computed by the frames' own engine (Spark: cached, as every
+    suite runs several jobs over its frame)."""
+    if engine == PANDAS:
+        return {qs.RAW: None if raw is None else qs.prepare_raw(raw),
+                qs.PANES: None if panes is None else qs.prepare_panes(panes, prior),
+                qs.STATE: None if state is None else qs.prepare_state(state, window_type)}
+    from millpond.quality import spark_checks as sc
+
+    frames = {qs.RAW: None if raw is None else sc.prepare_raw(raw),
+              qs.PANES: None if panes is None else sc.prepare_panes(panes, prior),
+              qs.STATE: None if state is None else sc.prepare_state(state, window_type)}
+    return {suite: None if df is None else df.cache() for suite, df in frames.items()}
+
+
+def _run(settings: Settings, pipeline: str, batch: int, engine: str, frames: dict[str, Any],
+         params: dict[str, Any], report: QualityReport, render: bool) -> None:
+    """Each suite's checkpoint on its frame, the report filled in, results pruned, pages rendered."""
+    from great_expectations.core.run_identifier import RunIdentifier
+
+    context = get_context(settings, engine)
+    identifiers = []
+    for suite, df in frames.items():
+        if df is None:
+            continue
+        checkpoint = context.checkpoints.get(checkpoint_name(suite, engine))
+        # run_time given: without it GX parses the run name as a date, and a pipeline named like
+        # "t7203516975" overflows dateutil (or, worse, dates the run in year 7203516975).
+        result = checkpoint.run(batch_parameters={"dataframe": df}, expectation_parameters=params,
+                                run_id=RunIdentifier(run_name=f"{pipeline}-{batch}", run_time=datetime.now(UTC)))
+        for vrid, vr in result.run_results.items():
+            identifiers.append(vrid)
+            report.suites[suite] = bool(vr.success)
+            for r in vr.results:
+                if r.success:
+                    continue
+                target = report.critical_failures if severity_of(r) == qs.CRITICAL else report.warnings
+                target.append(_describe(suite, r))
+    with file_lock(settings):
+        prune_results(context, settings, keep_results(settings))
+        if identifiers and (render or not report.ok):
+            from millpond.quality.datadocs import render_pages
+
+            report.result_urls = render_pages(context, settings, identifiers)
+        else:
+            report.result_urls = [str(validation_result_path(settings, i)) for i in identifiers]
+        report.pages = [str(validation_page_path(settings, i)) for i in identifiers]

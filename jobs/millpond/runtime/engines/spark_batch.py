@@ -162,17 +162,17 @@ def panes_frame(out, clock: BatchClock):
 
 
 def validate_batch(job: BatchContext, clock: BatchClock, accepted, out) -> None:
-    """The quality suites on the batch's input, panes and state. Great Expectations validates pandas frames
-    here, so these rows come to the client (the one place a Spark batch does that; see docs/operations.md)."""
+    """The quality suites on the batch's input, panes and live state, validated on Spark (Great Expectations'
+    Spark engine on these DataFrames): only aggregates and a few unexpected examples reach the client."""
     from pyspark.sql import functions as F
 
-    from millpond.runtime.steps.validate import validate
+    from millpond.runtime.steps.validate import validate_spark
 
-    state = out.where("tbl = 'state'").select(
+    raw = accepted.select("id", "key", "value", _ts("event_time"))
+    state = out.where("tbl = 'state' AND NOT deleted").select(
         "key", _ts("window_start"), _ts("window_end"), "state", _ts("event_timer"), _ts("ptime_timer"),
-        F.lit(clock.batch).alias("batch"), "deleted")
-    validate(job, clock.batch, clock, accepted.toArrow(), panes_frame(out, clock).orderBy("seq").toArrow(),
-             state.toArrow())
+        F.lit(clock.batch).alias("batch"))
+    validate_spark(job, clock, raw, panes_frame(out, clock), state)
 
 
 def _append(job: BatchContext, txn: Txn, table: str, df, schema: pa.Schema) -> None:

@@ -52,6 +52,40 @@ def validate(job: BatchContext, batch: int, clock: BatchClock, accepted: pa.Tabl
     report = validate_batch(job.settings, job.name, batch, raw=raw, panes=pane_df, state=state_df,
                             prior_panes=prior, processing_time=to_datetime(clock.processing_time),
                             window_type=job.spec.window.get("type"), render=job.render_docs)
+    _judge(job, batch, report)
+
+
+def validate_spark(job: BatchContext, clock: BatchClock, raw, panes, state) -> None:
+    """The same suites on the Spark engine's DataFrames, validated on Spark (no rows come to this process).
+
+    ``raw``, ``panes`` and ``state`` are shaped like :func:`validate`'s frames (times as timestamps, live
+    windows only). Earlier panes are read through the Spark data source, as on the local engine only
+    when the batch retracts, from the earliest window it retracts on; the check keeps the retracted
+    windows' rows of them."""
+    from pyspark.sql import functions as F
+
+    from millpond.lake import sparksource
+    from millpond.quality.validation import validate_batch
+
+    panes = panes.cache()  # also read for the retraction bound below
+    try:
+        lo = panes.where(F.col("kind") == "retraction").agg(F.unix_micros(F.min("window_start"))).collect()[0][0]
+        prior = None
+        if lo is not None:
+            dt = job.tables.open(job.name, "panes")
+            prior = panes.limit(0) if dt is None else sparksource.read(
+                job.spark, f"{job.name}.panes", job.settings, version=dt.version()).where(
+                F.col("window_start") >= F.timestamp_micros(F.lit(lo)))
+        report = validate_batch(job.settings, job.name, clock.batch, raw=raw, panes=panes, state=state,
+                                prior_panes=prior, processing_time=to_datetime(clock.processing_time),
+                                window_type=job.spec.window.get("type"), render=job.render_docs)
+    finally:
+        panes.unpersist()
+    _judge(job, clock.batch, report)
+
+
+def _judge(job: BatchContext, batch: int, report) -> None:
+    """Keep the report on the job; a critical failure stops the batch before anything is published."""
     job.quality = report
     if not report.ok:
         where = f"; see {report.result_urls[0]}" if report.result_urls else ""

@@ -1,0 +1,392 @@
+"""Data quality on the Spark engine: the same suites validated by Great Expectations' Spark engine on the
+batch's DataFrames (real Spark, real store), the ``chk_*`` columns computed by Spark equal to pandas', the
+same outcomes as the local engine, a critical failure stopping the batch, and no rows brought to the
+driver for validation."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+from millpond.errors import MillpondError
+from millpond.lake.landing import arrival_tag
+from millpond.lake.objectstore import ObjectStore
+from millpond.model.spec import pipeline_from_dict
+from millpond.model.timeutil import to_datetime, to_us
+from millpond.quality import spark_checks as sc
+from millpond.quality import suites as qs
+from millpond.quality.validation import validate_batch
+from millpond.runtime.engines import spark_batch
+from millpond.runtime.job import run_batch
+from millpond.surface.replay import batch_schedule, read_events
+from test_quality import PT, good_panes, good_raw, good_state, pane, prior_panes, state_row, ts
+
+SCENARIO = Path(__file__).parent / "scenarios" / "fig14_sessions_retracting.jsonl"
+
+
+def sdf(spark, df: pd.DataFrame):
+    return spark.createDataFrame(df)
+
+
+def back(df) -> pd.DataFrame:
+    """A small crafted Spark result, in its ``row`` order, for comparison."""
+    return df.toPandas().sort_values("row").reset_index(drop=True)
+
+
+def same(a: list[Any], b: list[Any]) -> bool:
+    def norm(v: Any) -> Any:
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+    return len(a) == len(b) and all(
+        (norm(x) is None and norm(y) is None) or (norm(x) is not None and norm(y) is not None
+                                                   and (x == y or math.isclose(x, y, rel_tol=1e-12)))
+        for x, y in zip(a, b, strict=True))
+
+
+# -- the chk_* columns ---------------------------------------------------------------------------
+def test_raw_columns_equal_pandas(spark) -> None:
+    # (pandas reads a zoneless string after one with an offset in that offset: kept in separate frames)
+    zoned = ["2026-01-01T12:00:30Z", "yesterday-ish", None, "1969-07-20T20:17:00Z", "2026-01-03T00:00:00+02:00",
+             "2026-01-01T12:00:00.5+0100", "12", "2026-13-01T00:00:00Z"]
+    texts = ["2026-01-01T12:59:00", "2026-01-01 12:00:00", "2026-01-01", "2026-01-01T12", "noon", None, "2026-1-1",
+             "2026"]
+    numbers = [1767270000.0, float("nan"), -5.0, 1e12, 0.5, None, 1767270000.25, 3.0]
+    stamps = [ts("12:00"), ts("12:30:00.123456"), None, ts("00:00"), ts("23:59"), ts("12:00"), ts("01:00"),
+              ts("02:00")]
+    for column in (zoned, texts, numbers, stamps):
+        df = pd.DataFrame({"row": range(len(column)), "event_time": column})
+        ours = qs.prepare_raw(df)
+        theirs = back(sc.prepare_raw(sdf(spark, df)))
+        assert theirs["chk_event_time_unparseable"].tolist() == ours["chk_event_time_unparseable"].tolist(), column
+        assert same(theirs["event_time_epoch_s"].tolist(), ours["event_time_epoch_s"].tolist()), column
+    assert qs.prepare_raw(pd.DataFrame({"event_time": zoned}))["chk_event_time_unparseable"].sum() == 3
+
+
+def _panes_cases() -> pd.DataFrame:
+    rows = [
+        pane("alice", "12:00", "12:30", 5, 1, "retraction", seq=0),     # matches the prior value 5
+        pane("alice", "12:00", "12:30", 7, 1, "value", seq=1),
+        pane("bob", "12:05", "12:35", 4, 1, "retraction", seq=2),       # prior says 3: mismatch
+        pane("dave", "12:10", "12:40", 1, 1, "retraction", seq=3),      # nothing to retract
+        pane("erin", "12:00", "12:30", -2.5, 1, "retraction", seq=4),   # either sign matches
+        pane("carol", "12:59", "13:29", 7, 0, "value", seq=5),
+        pane("carol", "12:59", "13:29", 7.0000000001, 1, "retraction", seq=6),  # within isclose
+        pane("carol", "12:59", "13:29", 7, 2, "retraction", seq=7),     # retracted twice
+        pane("carol", "12:59", "13:30", 9, 1, "value", seq=9),
+        pane("carol", "12:59", "13:30", 9, 1, "other", seq=10),         # neither kind: ignored
+        pane("carol", "12:59", "13:30", 9, 2, "retraction", seq=11),
+        pane("frank", "12:00", "12:30", 1, 1, "retraction", seq=8),     # prior retracted its value already
+    ]
+    return pd.DataFrame(rows).assign(row=range(len(rows)))
+
+
+def _prior_cases() -> pd.DataFrame:
+    return pd.concat([prior_panes(), pd.DataFrame([
+        pane("erin", "12:00", "12:30", 2.5, 0, batch=1, seq=5),
+        pane("frank", "12:00", "12:30", 1, 0, batch=1, seq=6),
+        pane("frank", "12:00", "12:30", 1, 0, "retraction", batch=1, seq=7),
+        pane("zed", "12:00", "12:30", 1, 0, batch=1, seq=8),  # a window this batch does not touch
+    ])], ignore_index=True)
+
+
+def test_retraction_column_equals_pandas(spark) -> None:
+    panes, prior = _panes_cases(), _prior_cases()
+    for given, spark_prior in ((prior, sdf(spark, prior)), (None, None), (prior.iloc[0:0], sdf(spark, prior).limit(0))):
+        ours = qs.retraction_check(panes, given).tolist()
+        assert back(sc.prepare_panes(sdf(spark, panes), spark_prior))["chk_retraction"].tolist() == ours, given
+    assert qs.retraction_check(panes, prior).tolist() == [
+        qs.MATCHED, None, qs.MISMATCH, qs.UNMATCHED, qs.MATCHED, None, qs.MATCHED, qs.UNMATCHED, None, None,
+        qs.MATCHED, qs.UNMATCHED]
+    # the batch's own panes, columns and types are kept
+    out = sc.prepare_panes(sdf(spark, panes), sdf(spark, prior))
+    assert out.columns == [*panes.columns, "chk_retraction"] and out.count() == len(panes)
+    assert dict(out.dtypes)["value"] == "double" and dict(out.dtypes)["seq"] == "bigint"
+
+
+def test_overlap_column_equals_pandas(spark) -> None:
+    rows = [state_row("alice", "12:00", "12:30"), state_row("alice", "12:40", "13:10"),
+            state_row("bob", "12:05", "12:35"), state_row("alice", "12:20", "12:50"),
+            state_row("alice", "12:50", "12:55"), state_row("bob", "12:35", "12:40"),
+            state_row("bob", "12:00", "13:00"), state_row("carol", "12:00", "12:30")]
+    state = pd.DataFrame(rows).assign(row=range(len(rows)))
+    for window_type in ("sessions", "fixed", "sliding", "custom"):
+        ours = qs.overlaps_earlier(state, window_type).tolist()
+        assert back(sc.prepare_state(sdf(spark, state), window_type))["chk_overlaps_earlier"].tolist() == ours
+    assert sum(qs.overlaps_earlier(state, "sessions")) == 5
+
+
+# -- whole suites on Spark DataFrames --------------------------------------------------------------
+def _outcome(report) -> tuple:
+    """What a report says, without the engine's wording of examples: suites, and each failure's check."""
+    def checks(messages: list[str]) -> list[str]:
+        return sorted(m.split(": ")[0] + ": " + m.split(": ")[1] for m in messages)
+
+    return report.suites, checks(report.critical_failures), checks(report.warnings)
+
+
+def test_spark_frames_give_the_pandas_outcomes(settings, spark, pipeline_name) -> None:
+    """Good frames pass; each kind of bad frame fails the same expectations, with the same severity, on
+    both engines (incl. ``value`` typed by each engine: strings and booleans fail, floats pass)."""
+    future = good_raw().assign(event_time=[(PT + timedelta(days=2)).isoformat(), "1969-07-20T20:17:00Z",
+                                           "yesterday-ish", "2026-01-01T12:00:00Z"], id=["e1", "e2", "e3", "e1"])
+    bad_state = pd.concat([good_state(), pd.DataFrame([state_row("alice", "12:20", "12:50")])], ignore_index=True)
+    bad_state.loc[0, "state"] = "{not json"
+    bad_state.loc[1, "event_timer"] = None
+    late = good_panes().assign(timing="LATE")
+    late.loc[0, "value"] = 6  # a mismatched retraction
+    # a Spark column has one type: event times all ISO strings here (pandas also takes mixed columns)
+    raw = good_raw().assign(event_time=["2026-01-01T12:00:30Z", "2026-01-01T12:05:00Z", "2026-01-01T12:20:00Z",
+                                        "2026-01-01T12:59:00"])
+    cases = {
+        "good": {"raw": raw, "panes": good_panes(), "state": good_state(), "prior_panes": prior_panes()},
+        "bad": {"raw": future, "panes": late, "state": bad_state, "prior_panes": prior_panes()},
+        "strings": {"raw": raw.assign(value=["5", "3", "2", "7"]), "panes": None, "state": None},
+        "bools": {"raw": raw.assign(value=[True, False, True, True]), "panes": None, "state": None},
+        "floats": {"raw": raw.assign(value=[0.5, 1.0, 2.0, 3.0]), "panes": None, "state": None},
+    }
+    outcomes = {}
+    for i, (case, frames) in enumerate(cases.items()):
+        ours = validate_batch(settings, pipeline_name, i, processing_time=PT, **frames)
+        theirs = validate_batch(settings, pipeline_name, 100 + i, processing_time=PT,
+                                **{k: None if v is None else sdf(spark, v) for k, v in frames.items()})
+        assert _outcome(theirs) == _outcome(ours), case
+        assert len(theirs.result_urls) == len(ours.result_urls) and all(Path(u).is_file() for u in theirs.result_urls)
+        outcomes[case] = _outcome(theirs)
+    assert outcomes["good"] == ({qs.RAW: True, qs.PANES: True, qs.STATE: True}, [], [])
+    assert {c.split(": ")[1] for c in outcomes["bad"][1]} == {
+        "expect_column_values_to_be_in_set(chk_event_time_unparseable)",
+        "expect_column_values_to_be_in_set(chk_retraction)", "expect_column_values_to_be_in_set(chk_overlaps_earlier)",
+        "expect_column_values_to_be_json_parseable(state)"}
+    assert {c.split(": ")[1] for c in outcomes["bad"][2]} == {
+        "expect_column_values_to_be_between(event_time_epoch_s)", "expect_column_values_to_be_unique(id)",
+        "expect_column_values_to_not_be_in_set(timing)", "expect_column_values_to_not_be_null(event_timer)"}
+    type_failure = ["millpond_raw_input: expect_column_values_to_be_in_type_list(value)"]
+    assert outcomes["strings"][1] == outcomes["bools"][1] == type_failure
+    assert outcomes["floats"] == ({qs.RAW: True}, [], [])
+
+
+# -- batches on the Spark engine -------------------------------------------------------------------
+DOC = {"window": {"type": "sessions", "gap": "1m"},
+       "trigger": "SequenceOf(RepeatUntil(AtPeriod('1m'), AtWatermark()), Repeat(AtWatermark()))",
+       "accumulation": "accumulating_and_retracting", "aggregation": "sum", "allowed_lateness": "10m",
+       "batch_interval": "1m", "watermark": {"policy": "bounded_out_of_orderness", "bound": "30s"}}
+
+
+def _spec(name: str):
+    return pipeline_from_dict({"name": name, "source": {"prefix": f"{name}/"}, **DOC})
+
+
+def _land(settings, spec, events: list[dict], schedule: list[tuple[int, int]]) -> None:
+    """Each batch's events as one landing file, arrived at its batch's start (as ``millpond replay`` does)."""
+    store = ObjectStore(settings)
+    for i, (lo, hi) in enumerate(schedule):
+        body = "".join(json.dumps(e) + "\n" for e in events if lo <= to_us(e["arrival_time"]) < hi)
+        if body:
+            store.put_bytes(settings.bucket_landing, f"{spec.source_prefix}{arrival_tag(lo)}-b{i:03d}.jsonl",
+                            body.encode())
+
+
+def _run_scenario(settings, spec, events: list[dict], spark, batches: int | None = None) -> list:
+    """The scenario's first ``batches`` batches (validated) in arrival order."""
+    schedule = batch_schedule(spec, events, None, None)[:batches]
+    _land(settings, spec, events, schedule)
+    return [run_batch(settings, spec, to_datetime(hi), validate=True, spark=spark) for _, hi in schedule]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_spark_batches_validate_like_local_batches(settings, spark, tables) -> None:
+    """The paper's Figure 14 (sessions, early panes, retractions against earlier batches' panes) with
+    validate=True on both engines: the same suites' outcomes batch by batch, every result stored."""
+    events = read_events(SCENARIO)
+    name = f"t_q{datetime.now(UTC):%H%M%S%f}"
+    local = _run_scenario(settings.with_overrides(engine="local"), _spec(f"{name}_l"), events, None, batches=4)
+    remote = _run_scenario(settings.with_overrides(engine="spark"), _spec(f"{name}_s"), events, spark, batches=4)
+    assert [r.batch for r in remote] == [r.batch for r in local] == [1, 2, 3, 4]
+    for a, b in zip(local, remote, strict=True):
+        assert "dedup" not in b.phases and "validation" in b.phases
+        assert b.quality is not None and _outcome(b.quality) == _outcome(a.quality), a.batch
+        assert all(Path(u).is_file() for u in b.quality.result_urls)
+    assert any(r.counts["retractions"] for r in remote)  # the panes suite judged retractions
+    assert all(r.quality.ok for r in remote)
+    assert tables.read_arrow(f"{name}_s", "panes").num_rows == tables.read_arrow(f"{name}_l", "panes").num_rows
+
+
+CONNECT_CLIENT = """
+import json, sys
+from millpond.config import load_settings
+from millpond.model.spec import pipeline_from_dict
+from millpond.model.timeutil import to_datetime
+from millpond.runtime.job import run_batch
+from millpond.runtime.spark_client import connect
+doc, url, times = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+settings = load_settings().with_overrides(engine="spark", spark_connect=url)
+spark = connect(settings)
+out = []
+for at in times:
+    q = run_batch(settings, pipeline_from_dict(doc), to_datetime(at), validate=True, spark=spark).quality
+    out.append([q.suites, q.critical_failures, q.warnings, q.result_urls])
+print(json.dumps({"session": type(spark).__module__, "reports": out}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_spark_connect_client_validates_on_spark(settings, tmp_path) -> None:
+    """As an Airflow task does: a Spark Connect client (its own process, no JVM) runs Figure 14's batches
+    with validate=True against a Connect server; GX validates the Connect DataFrames with the same outcomes
+    as the local engine."""
+    import os
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from millpond.orchestration.spark_server import SparkConnectServer, _free_port
+
+    events = read_events(SCENARIO)
+    name = f"t_c{datetime.now(UTC):%H%M%S%f}"
+    local = _run_scenario(settings.with_overrides(engine="local"), _spec(f"{name}_l"), events, None, batches=4)
+    spec = _spec(f"{name}_s")
+    schedule = batch_schedule(spec, events, None, None)[:4]
+    _land(settings, spec, events, schedule)
+    server_settings = settings.with_overrides(home=tmp_path, spark_connect_port=_free_port(),
+                                              spark_ui_port=_free_port(), spark_master="local[2]")
+    server = SparkConnectServer(server_settings)
+    server.start()
+    try:
+        doc = {"name": spec.name, "source": {"prefix": spec.source_prefix}, **DOC}
+        proc = subprocess.run([sys.executable, "-c", CONNECT_CLIENT, json.dumps(doc), server_settings.spark_connect_url,
+                               json.dumps([hi for _, hi in schedule])],
+                              capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    finally:
+        server.stop()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["session"].startswith("pyspark.sql.connect")
+    reports = [SimpleNamespace(suites=s, critical_failures=c, warnings=w) for s, c, w, _ in got["reports"]]
+    assert [_outcome(r) for r in reports] == [_outcome(r.quality) for r in local]
+    assert all(Path(u).is_file() for *_, urls in got["reports"] for u in urls)
+
+
+@pytest.mark.parametrize("engine", ["local", "spark"])
+def test_a_critical_failure_stops_the_batch_before_any_commit(settings, tables, pipeline_name, engine,
+                                                              request) -> None:
+    """A pane log altered behind the pipeline's back (a stray later value for every window): the next batch
+    that retracts a pane no longer matches the log, validation fails critically and nothing of that batch
+    is published (its output tables and the marker stay at their versions)."""
+    spark = request.getfixturevalue("spark") if engine == "spark" else None
+    local = settings.with_overrides(engine=engine)
+    spec = _spec(pipeline_name)
+    events = read_events(SCENARIO)
+    schedule = batch_schedule(spec, events, None, None)
+    _land(local, spec, events, schedule)
+    first = [run_batch(local, spec, to_datetime(hi), validate=True, spark=spark) for _, hi in schedule[:2]]
+    assert all(r.quality.ok for r in first)
+    stored = tables.read_arrow(pipeline_name, "panes")
+    values = stored.filter(pa.compute.equal(stored.column("kind"), "value")).to_pylist()
+    tables.append(pipeline_name, "panes", pa.Table.from_pylist(
+        [{**v, "value": v["value"] + 100, "seq": 10_000 + i} for i, v in enumerate(values)], schema=stored.schema))
+    outputs = ("panes", "current", "windows", "late", "batches", "seen_ids")
+    for n, (_, hi) in enumerate(schedule[2:], start=3):
+        before = {t: tables.version(pipeline_name, t) for t in outputs}
+        try:
+            result = run_batch(local, spec, to_datetime(hi), validate=True, spark=spark)
+        except MillpondError as exc:
+            assert f"batch {n} failed critical data-quality checks, nothing was published" in str(exc)
+            assert "chk_retraction" in str(exc) and "value differs" in str(exc)
+            break
+        assert result.counts["retractions"] == 0, "a retraction passed against the altered log"
+    else:
+        pytest.fail("no batch retracted a pane")
+    assert {t: tables.version(pipeline_name, t) for t in outputs} == before
+    assert tables.read_arrow(pipeline_name, "batches").num_rows == n - 1
+
+
+@contextlib.contextmanager
+def rows_to_python() -> Iterator[list[tuple[str, int]]]:
+    """Count the rows each call hands to Python, by every way a classic DataFrame (or its RDD) does:
+    ``collect`` (``take``, ``head``, ``first``), Arrow (``toArrow``, ``toPandas``), ``tail``,
+    ``toLocalIterator`` (counted as it is consumed)."""
+    from pyspark.core.rdd import RDD
+    from pyspark.sql.classic.dataframe import DataFrame
+
+    calls: list[tuple[str, int]] = []
+
+    def counted(cls, method: str, count):
+        original = getattr(cls, method)
+
+        def wrapper(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            if method == "toLocalIterator":
+                return _counting_iter(out)
+            calls.append((f"{cls.__name__}.{method}", count(out)))
+            return out
+        return wrapper
+
+    def _counting_iter(it):
+        n = 0
+        for row in it:
+            n += 1
+            yield row
+        calls.append(("DataFrame.toLocalIterator", n))
+
+    probes = [(DataFrame, "collect", len), (DataFrame, "_collect_as_arrow", lambda bs: sum(b.num_rows for b in bs)),
+              (DataFrame, "tail", len), (DataFrame, "toLocalIterator", None), (RDD, "collect", len)]
+    with pytest.MonkeyPatch.context() as m:
+        for cls, method, count in probes:
+            m.setattr(cls, method, counted(cls, method, count))
+        yield calls
+
+
+def test_spark_validation_brings_no_rows_to_the_driver(settings, spark, pipeline_name, monkeypatch) -> None:
+    """While the Spark engine validates a batch of 3,000 events, and while GX validates 3,000 raw rows that
+    all fail, no call hands Python more than a handful of rows (aggregates, GX's few unexpected examples).
+    The same probe counts every row when the input is taken with ``toArrow``, as validation used to."""
+    seen: list[tuple[str, int]] = []
+
+    def probed(job, clock, accepted, out):
+        with rows_to_python() as calls:
+            original(job, clock, accepted, out)
+        seen.extend(calls)
+        with rows_to_python() as calls:
+            accepted.toArrow()
+        seen.append(("control", sum(n for _, n in calls)))
+
+    original = spark_batch.validate_batch
+    monkeypatch.setattr(spark_batch, "validate_batch", probed)
+    local = settings.with_overrides(engine="spark")
+    spec = pipeline_from_dict({"name": pipeline_name, "source": {"prefix": f"{pipeline_name}/"},
+                               "window": {"type": "sessions", "gap": "1m"}, "aggregation": "sum",
+                               "watermark": {"policy": "processing_time", "lag": "1m"}})
+    at = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+    body = "".join(json.dumps({"id": f"e{i}", "key": f"k{i % 300}", "value": i % 7,
+                               "event_time": (at + timedelta(seconds=i % 240)).isoformat()}) + "\n"
+                   for i in range(3000))
+    ObjectStore(local).put_bytes(local.bucket_landing, f"{pipeline_name}/{arrival_tag(to_us(at))}-a.jsonl",
+                                 body.encode())
+    result = run_batch(local, spec, at + timedelta(minutes=5), validate=True, spark=spark)
+    assert result.quality.ok and result.counts["accepted"] == 3000 and result.counts["panes"] >= 300
+    assert seen.pop() == ("control", 3000)  # the probe sees rows when rows are taken
+    assert seen and max(n for _, n in seen) <= 5, sorted(seen, key=lambda c: -c[1])[:5]
+
+    bad = spark.range(3000).selectExpr("'same' AS id", "CAST(id AS STRING) AS key", "CAST(id AS STRING) AS value",
+                                       "concat('not a time ', id) AS event_time")
+    with rows_to_python() as calls:
+        report = validate_batch(settings, pipeline_name, 1, raw=bad, panes=None, state=None, processing_time=PT)
+    failed = {m.split(": ")[1] for m in report.critical_failures + report.warnings}
+    assert {"expect_column_values_to_be_in_set(chk_event_time_unparseable)",
+            "expect_column_values_to_be_in_type_list(value)", "expect_column_values_to_be_unique(id)"} <= failed
+    assert only_examples(report.critical_failures, "chk_event_time_unparseable", "3000 of 3000")
+    assert calls and max(n for _, n in calls) <= 5, sorted(calls, key=lambda c: -c[1])[:5]
+
+
+def only_examples(messages: list[str], check: str, count: str) -> bool:
+    return any(check in m and count in m for m in messages)
