@@ -750,8 +750,7 @@ class Bench(SparkEngineMeasures):
             young.close()
             runs.append(seq)
             fresh.append(beside)
-            self.log("  batch seconds: " + " ".join(f"{b['seconds']:.2f}" for b in seq)
-                     + " | fresh pipeline beside the last five: " + " ".join(f"{b['seconds']:.2f}" for b in beside))
+            self.log_sequence(seq, beside)
         secs = [statistics.median(r[i]["seconds"] for r in runs) for i in range(nb)]
         fifth_beside = statistics.median(f[4]["seconds"] for f in fresh)
         last = runs[-1]

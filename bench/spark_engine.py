@@ -51,6 +51,11 @@ class SparkEngineMeasures:
     them)."""
 
     # the server ---------------------------------------------------------------------------------
+    def log_sequence(self, seq: list[dict[str, Any]], beside: list[dict[str, Any]]) -> None:
+        """One over-time run's batch seconds, with the fresh pipeline's run beside its last batches."""
+        self.log("  batch seconds: " + " ".join(f"{b['seconds']:.2f}" for b in seq)
+                 + " | fresh pipeline beside the last five: " + " ".join(f"{b['seconds']:.2f}" for b in beside))
+
     def connect_url(self) -> str:
         """The bench's Connect server (started and warmed on first use)."""
         server: SparkConnectServer | None = self.connect_server
@@ -259,8 +264,7 @@ class SparkEngineMeasures:
             beside = [b for b in res["batches"] if b["pipeline"] == 1]
             runs.append(seq)
             fresh.append(beside)
-            self.log("  batch seconds: " + " ".join(f"{b['seconds']:.2f}" for b in seq)
-                     + " | fresh pipeline beside the last five: " + " ".join(f"{b['seconds']:.2f}" for b in beside))
+            self.log_sequence(seq, beside)
         secs = [statistics.median(r[i]["seconds"] for r in runs) for i in range(nb)]
         fifth = statistics.median(f[4]["seconds"] for f in fresh)
         mid = len(secs) // 2

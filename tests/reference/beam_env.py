@@ -111,16 +111,21 @@ def build_venv(requirements: Path, root: Path, label: str, error: type[Exception
     return venv
 
 
-def main() -> int:
+def cli(name: str, ensure, error: type[Exception]) -> int:
+    """A peer venv's command line: build it when missing, print its interpreter."""
     started = time.monotonic()
     try:
-        python = ensure_beam_python(log=lambda m: print(m, file=sys.stderr))
-    except BeamEnvError as exc:
-        print(f"beam_env: {exc}", file=sys.stderr)
+        python = ensure(log=lambda m: print(m, file=sys.stderr))
+    except error as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
         return 1
     print(python)
-    print(f"beam_env: ready in {time.monotonic() - started:.1f}s", file=sys.stderr)
+    print(f"{name}: ready in {time.monotonic() - started:.1f}s", file=sys.stderr)
     return 0
+
+
+def main() -> int:
+    return cli("beam_env", ensure_beam_python, BeamEnvError)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -44,15 +43,7 @@ def ensure_flink_python(log=None) -> Path:
 
 
 def main() -> int:
-    started = time.monotonic()
-    try:
-        python = ensure_flink_python(log=lambda m: print(m, file=sys.stderr))
-    except FlinkEnvError as exc:
-        print(f"flink_env: {exc}", file=sys.stderr)
-        return 1
-    print(python)
-    print(f"flink_env: ready in {time.monotonic() - started:.1f}s", file=sys.stderr)
-    return 0
+    return _beam_env().cli("flink_env", ensure_flink_python, FlinkEnvError)
 
 
 if __name__ == "__main__":
