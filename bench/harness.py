@@ -58,7 +58,7 @@ from millpond.orchestration.store import EmbeddedStore, isolated_store_env
 from millpond.runtime.job import run_batch
 
 from bench.spark_engine import SPARK_ENGINE_TARGETS, SparkEngineMeasures
-from bench.workload import WorkloadSpec, generate, jsonl_bytes, land, write_local
+from bench.workload import Workload, WorkloadSpec, generate, jsonl_bytes, land, write_local
 
 GIB = 1024**3
 #: the default path: the per-key step on Spark from this many new elements, in this process below (measured
@@ -248,25 +248,6 @@ class MemorySampler:
 
 
 # -- the bench ----------------------------------------------------------------------------------
-@dataclass
-class Workload:
-    label: str
-    spec: WorkloadSpec
-    prefix: str
-    input_events: int
-    #: the generated events, only while a peer needs them in memory (see ``events``)
-    table: pa.Table | None = field(default=None, repr=False)
-
-    @property
-    def events(self) -> pa.Table:
-        """The landed events as a table, for the peers that take them from memory (Structured
-        Streaming's local copy, Beam); regenerated on first use (generation is deterministic), so a
-        10M-event workload is not held through the runs that read the landing files."""
-        if self.table is None:
-            self.table = generate(self.spec)
-        return self.table
-
-
 @dataclass
 class Bench(SparkEngineMeasures):
     settings: Settings

@@ -26,7 +26,7 @@ from millpond.orchestration.processes import read_pid
 from millpond.orchestration.spark_server import SparkConnectServer, _free_port
 
 if TYPE_CHECKING:
-    from bench.harness import Workload
+    from bench.workload import Workload
 
 GIB = 1024**3
 BENCH_ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ byte-identical input.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -161,3 +161,22 @@ def write_local(spec: WorkloadSpec, events: pa.Table, folder: Path) -> list[Path
             path.write_bytes(jsonl_bytes(chunk))
             paths.append(path)
     return paths
+
+
+@dataclass
+class Workload:
+    label: str
+    spec: WorkloadSpec
+    prefix: str
+    input_events: int
+    #: the generated events, only while a peer needs them in memory (see ``events``)
+    table: pa.Table | None = field(default=None, repr=False)
+
+    @property
+    def events(self) -> pa.Table:
+        """The landed events as a table, for the peers that take them from memory (Structured
+        Streaming's local copy, Beam); regenerated on first use (generation is deterministic), so a
+        10M-event workload is not held through the runs that read the landing files."""
+        if self.table is None:
+            self.table = generate(self.spec)
+        return self.table
