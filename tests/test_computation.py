@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 import pyarrow as pa
 import pytest
 import yaml
+from millpond.errors import MillpondError
 from millpond.examples.zeitgeist import query_stream
 from millpond.lake.landing import arrival_tag
 from millpond.lake.objectstore import ObjectStore
@@ -237,7 +238,9 @@ def test_zeitgeist_as_the_paper_draws_it_a_counter_feeding_the_model(settings, t
         "batch_interval": "1m", "dedup": {"horizon": "10m"}})
     for b in range(1, BATCHES + 1):
         run_batch(settings, counts, T0 + timedelta(minutes=b))
-        result = run_batch(settings, chain, T0 + timedelta(minutes=b))
+        result = run_batch(settings, chain, T0 + timedelta(minutes=b), validate=True)  # as its DAG runs it
+        if result.counts["productions"]:  # its anomalies are checked by their committed suite
+            assert result.quality.ok and result.quality.suites == {"millpond_stream_anomalies": True}
         counter_mark = tables.read_arrow(counter, "batches").sort_by("batch").to_pylist()[-1]
         assert result.watermark == counter_mark["watermark"]
 
@@ -252,6 +255,28 @@ def test_zeitgeist_as_the_paper_draws_it_a_counter_feeding_the_model(settings, t
     assert set(panes.column("timing").to_pylist()) >= {"EARLY", "ON_TIME"}  # early counts, then the rest
     with pytest.raises(ValueError, match="input is searches"):
         load_computation({"class": "millpond.examples.zeitgeist:Zeitgeist", "input": "bytes"})
+
+
+class BadAnomalies(Computation):
+    """Reports a made-up kind of anomaly for every record: its stream's suite must stop the batch."""
+
+    output_streams = {"anomalies": pa.schema([("key", pa.string()), ("second", pa.timestamp("us", tz="UTC")),
+                                               ("kind", pa.string()), ("count", pa.int64()),
+                                               ("expected", pa.float64())])}
+
+    def process_record(self, ctx: Context, record: Record) -> None:
+        ctx.produce("anomalies", {"key": ctx.key, "second": record.event_time, "kind": "bump", "count": 1,
+                                  "expected": 1.0})
+
+
+def test_a_stream_that_fails_its_suite_stops_the_batch(settings, tables, pipeline_name) -> None:
+    spec = pipeline_from_dict({"name": pipeline_name, "source": {"prefix": f"{pipeline_name}/"},
+                               "computation": "test_computation:BadAnomalies", "batch_interval": "1m"})
+    land(settings, f"{pipeline_name}/", at(0), [{"id": "e1", "key": "q", "value": 1, "event_time": iso(at(0.5)),
+                                                 "arrival_time": iso(at(0.5))}])
+    with pytest.raises(MillpondError, match="failed critical data-quality checks.*kind"):
+        run_batch(settings, spec, T0 + timedelta(minutes=1), validate=True)
+    assert not tables.exists(pipeline_name, "anomalies") and not tables.exists(pipeline_name, "batches")
 
 
 def test_zeitgeist_quiet_on_steady_traffic() -> None:

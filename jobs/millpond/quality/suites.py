@@ -28,7 +28,11 @@ WARNING = "warning"
 RAW = "millpond_raw_input"
 PANES = "millpond_panes"
 STATE = "millpond_state"
-SUITES = (RAW, PANES, STATE)
+#: a MillWheel computation's output stream ``S`` is validated by the suite ``millpond_stream_S`` when one exists
+STREAM_PREFIX = "millpond_stream_"
+ANOMALIES = STREAM_PREFIX + "anomalies"  # Zeitgeist's (millpond.examples.zeitgeist)
+SUITES = (RAW, PANES, STATE, ANOMALIES)
+ANOMALY_COLUMNS = ["key", "second", "kind", "count", "expected", "batch"]
 
 RAW_COLUMNS = ["id", "key", "value", "event_time"]
 PANE_COLUMNS = [
@@ -116,7 +120,20 @@ def suite_definitions() -> dict[str, list[dict[str, Any]]]:
         _e("expect_column_values_to_not_be_null", WARNING,
            "a window without an event-time timer is only closed by a processing-time timer", column="event_timer"),
     ]
-    return {RAW: raw, PANES: panes, STATE: state}
+    anomalies = [
+        _e("expect_table_columns_to_match_set", CRITICAL, "anomalies stream contract", column_set=ANOMALY_COLUMNS,
+           exact_match=False),
+        *[_e("expect_column_values_to_not_be_null", CRITICAL, "every anomaly names its query, second and kind",
+             column=c) for c in ("key", "second", "kind")],
+        _e("expect_column_values_to_be_in_set", CRITICAL, "anomaly kind", column="kind", value_set=["spike", "dip"]),
+        _e("expect_compound_columns_to_be_unique", CRITICAL, "an anomaly of a second is reported once",
+           column_list=["key", "second", "kind"]),
+        _e("expect_column_values_to_be_between", CRITICAL, "a second's count of searches", column="count",
+           min_value=0.0),
+        _e("expect_column_values_to_be_between", WARNING, "the model's expected rate", column="expected",
+           min_value=0.0),
+    ]
+    return {RAW: raw, PANES: panes, STATE: state, ANOMALIES: anomalies}
 
 
 # -- pandas checks ---------------------------------------------------------------------------------

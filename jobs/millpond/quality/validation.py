@@ -140,6 +140,22 @@ def validate_batch(
     return report
 
 
+def validate_streams(settings: Settings, pipeline: str, batch: int, streams: dict[str, Any],
+                     render: bool = True) -> QualityReport:
+    """Validate what a MillWheel computation's batch produces (pandas frames by stream name) with the
+    committed suite of each stream that has one (``millpond_stream_<stream>``); never raises on bad data."""
+    start = time.perf_counter()
+    report = QualityReport(pipeline, batch)
+    frames = {qs.STREAM_PREFIX + name: df for name, df in sorted(streams.items())
+              if qs.STREAM_PREFIX + name in qs.SUITES}
+    if frames:
+        with _LOCK:
+            _run(settings, pipeline, batch, PANDAS, frames, {}, report, render)
+    report.seconds = time.perf_counter() - start
+    (log.warning if not report.ok else log.info)(report.summary())
+    return report
+
+
 def _engine(*frames: Any) -> str:
     """SPARK when the frames are Spark DataFrames (classic or Connect), else PANDAS; never both."""
     kinds = {SPARK if type(f).__module__.startswith("pyspark.") else PANDAS for f in frames if f is not None}

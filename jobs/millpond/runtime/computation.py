@@ -56,6 +56,7 @@ from millpond.runtime.assembly import ts_array, us_column
 from millpond.runtime.commits import PhaseTimer
 from millpond.runtime.layout import EVENT_COLUMNS
 from millpond.runtime.microbatch import MicroBatch, committed_versions
+from millpond.runtime.steps.validate import validate_streams
 
 STATE_SCHEMA = pa.schema([("key", pa.string()), ("state", pa.string()), ("batch", pa.int64()),
                           ("deleted", pa.bool_())])
@@ -68,8 +69,9 @@ class ComputationBatch(MicroBatch):
     """A micro-batch whose per-key step is a user :class:`Computation` instead of windowing.
 
     Runs in the driver (the per-key step, ``run_key``, is pure, so a Spark ``groupBy.applyInPandas``
-    path can be added like windowing's). The pane quality suites do not apply (``validate`` is
-    ignored); record ids expire only with ``dedup: {horizon: ...}`` (no window to derive it from).
+    path can be added like windowing's). The pane quality suites do not apply; with ``validate`` each
+    output stream that has a committed suite (``millpond_stream_<stream>``) is validated before the
+    commits. Record ids expire only with ``dedup: {horizon: ...}`` (no window to derive it from).
     """
 
     state_tables = (*STATE_TABLES, *COMPUTATION_TABLES)
@@ -99,7 +101,11 @@ class ComputationBatch(MicroBatch):
         outcomes = [run_key(self.computation, k, by_key.get(k, []), stored_state.get(k), stored_timers.get(k, {}),
                             clock) for k in keys]
         t.lap("computation")
-        self._commit_outcomes(batch, txn, clock, outcomes, versions.get("watermarks"))
+        produced = self._productions(batch, outcomes)
+        if self.validate:
+            validate_streams(self, batch, produced)
+            t.lap("validation")
+        self._commit_outcomes(batch, txn, clock, outcomes, produced, versions.get("watermarks"))
         t.lap("commit_state")
         return {"late": sum(o.late for o in outcomes), "panes": 0, "retractions": 0,
                 "state_rows_read": len(stored_state) + sum(len(v) for v in stored_timers.values()),
@@ -132,8 +138,16 @@ class ComputationBatch(MicroBatch):
             state = dict(zip(st.column("key").to_pylist(), st.column("state").to_pylist(), strict=True))
         return timers, state
 
+    def _productions(self, batch: int, outcomes: list[KeyOutcome]) -> dict[str, pa.Table]:
+        """The batch's productions as one table per stream, in key order, then each key's own order."""
+        produced: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for o in outcomes:
+            for stream, rec in o.productions:
+                produced[stream].append({**rec, "batch": batch})
+        return {stream: self._production_table(stream, rows) for stream, rows in sorted(produced.items())}
+
     def _commit_outcomes(self, batch: int, txn: Txn, clock: BatchClock, outcomes: list[KeyOutcome],
-                         v_watermarks: int | None) -> None:
+                         produced: dict[str, pa.Table], v_watermarks: int | None) -> None:
         name = self.name
         states = [o for o in outcomes if o.state_changed]
         if states:
@@ -153,12 +167,7 @@ class ComputationBatch(MicroBatch):
             self._step("timers", lambda tb=table: self.tables.merge(
                 name, "timers", tb, on=["key", "tag"], delete_when="s.deleted", txn=txn,
                 stats_columns=["key", "tag", "domain", "fire_at"]))
-        produced: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for o in outcomes:  # key order, then the order the key produced them
-            for stream, rec in o.productions:
-                produced[stream].append({**rec, "batch": batch})
-        for stream in sorted(produced):
-            table = self._production_table(stream, produced[stream])
+        for stream, table in produced.items():
             self._step(f"produce_{stream}", lambda s=stream, tb=table: self.tables.append(name, s, tb, txn=txn),
                        table=stream)
         held = min((o.held_by for o in outcomes if o.held_by is not None), default=None)

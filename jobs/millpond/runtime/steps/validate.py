@@ -84,6 +84,15 @@ def validate_spark(job: BatchContext, clock: BatchClock, raw, panes, state) -> N
     _judge(job, clock.batch, report)
 
 
+def validate_streams(job: BatchContext, batch: int, produced: dict[str, pa.Table]) -> None:
+    """A computation's productions, by the committed suites of its streams; critical stops the batch here."""
+    from millpond.quality.validation import validate_streams as check
+
+    report = check(job.settings, job.name, batch, {name: t.to_pandas() for name, t in produced.items()},
+                   render=job.render_docs)
+    _judge(job, batch, report)
+
+
 def _judge(job: BatchContext, batch: int, report) -> None:
     """Keep the report on the job; a critical failure stops the batch before anything is published."""
     job.quality = report
