@@ -42,8 +42,9 @@ def _ts(column: str):
 
 
 def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time: int, w_in: int):
-    """(the quarantined rows, the accepted elements, counts): parsed on executors, first of each id by
-    (arrival, file, line), ids seen by earlier batches dropped. Only counts come back."""
+    """(the quarantined rows, the accepted elements, counts, max event time, the cached parsed rows): parsed on
+    executors, first of each id by (arrival, file, line), ids seen by earlier batches dropped. Only counts
+    come back."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -75,7 +76,7 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
                                                      in held], schema=bad.schema))
     counts = {"input": totals["rows"] + len(held), "accepted": kept["n"], "duplicates": good_n - kept["n"],
               "quarantined": totals["bad"] + len(held)}
-    return bad, accepted, counts, kept["max_et"]
+    return bad, accepted, counts, kept["max_et"], rows
 
 
 def delays(accepted) -> list[int]:
@@ -261,7 +262,7 @@ def run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], prev: di
     """The batch's read, dedup, watermark, per-key step and writes as Spark jobs; counts, clock, max event time."""
     from millpond.runtime.steps.watermark import clock_for
 
-    bad, accepted, counts, max_et = read_and_dedup(job, the_plan, processing_time, w_in)
+    bad, accepted, counts, max_et, parsed = read_and_dedup(job, the_plan, processing_time, w_in)
     timer.lap("ingest")
     policy = job.spec.watermark_policy
     clock, max_et = clock_for(job, job.batch, processing_time, w_in, prev, max_et, the_plan, explicit_watermark,
@@ -284,7 +285,7 @@ def run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], prev: di
     outputs = write_outputs(job, txn, clock, bad, accepted, out, the_plan["versions"], stored)
     counts = {"files": len(the_plan["files"]), **counts, "late": 0, "panes": 0, "retractions": 0,
               "state_rows_read": 0 if state is None else state.count(), **outputs}
-    for frame in (stored, state, out, accepted):  # a warm server keeps cached frames until told
+    for frame in (parsed, stored, state, out, accepted):  # a warm server keeps cached frames until told
         if frame is not None:
             frame.unpersist()
     return counts, clock, max_et
