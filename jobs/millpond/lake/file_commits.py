@@ -3,7 +3,6 @@ the batch's application transaction, optionally removing the files the new ones 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 
@@ -11,25 +10,20 @@ import pyarrow as pa
 from deltalake.transaction import AddAction, RemoveAction
 
 from millpond.lake.delta_options import Txn, _commit, _wrap
-from millpond.lake.objectstore import ObjectStore
 from millpond.lake.tables import Tables
 
 
-def file_actions(tables: Tables, manifest_key: str) -> list[dict]:
-    """The add actions a Spark write recorded in its manifest (see ``lake.spark_io``)."""
-    return json.loads(ObjectStore(tables.settings).get_bytes(tables.settings.bucket_lake, manifest_key))
-
-
-def commit_files(tables: Tables, pipeline: str, name: str, manifest_key: str, schema: pa.Schema, txn: Txn | None,
+def commit_files(tables: Tables, pipeline: str, name: str, files: Sequence[dict], schema: pa.Schema, txn: Txn | None,
                  partition_by: Sequence[str] | None = None, removes: Sequence[dict] = (),
                  stats_columns: Sequence[str] | None = None) -> bool:
-    """Add the manifest's files (and remove ``removes``: add actions of files being replaced) in one commit;
-    False when ``txn`` was applied already (a retried batch commits nothing twice)."""
+    """Add ``files`` (add actions of data files executors wrote, see ``lake.spark_io``) and remove ``removes``
+    (add actions of files being replaced) in one commit; False when ``txn`` was applied already (a retried
+    batch commits nothing twice)."""
     dt = tables.open(pipeline, name)
     if tables.already_applied(dt, txn):
         return False
     adds = [AddAction(a["path"], a["size"], a["partition_values"], a["modification_time"], True, a["stats"])
-            for a in file_actions(tables, manifest_key)]
+            for a in files]
     now = int(time.time() * 1000)
     gone = [RemoveAction(r["path"], True, now, r.get("size"), r.get("partition_values")) for r in removes]
     if not adds and not gone:

@@ -1,53 +1,42 @@
-"""Spark's reads and writes of the lake, done on executors: landing files in, Delta data files out.
+"""Spark's reads and writes of the lake for the engine, done on executors with ``mapInArrow``: landing files in,
+Delta snapshots in, Delta data files out.
 
-Spark here has neither hadoop-aws nor the Delta jars, so both directions are Python data sources:
+Spark here has neither hadoop-aws nor the Delta jars. Python data sources would do (``lake.sparksource`` is one,
+for ad-hoc queries), but each of their operations makes the server start fresh Python planner processes
+(``create_data_source``, ``plan_data_source_read``, ``write_into_data_source``, ``commit_data_source_write``),
+each importing pyarrow and millpond: seconds per operation on a warm server. So the engine plans on the client
+and ships plain functions instead, which run in the executors' reused Python workers:
 
-- ``millpond_landing`` reads a batch's planned landing files, one Spark partition per file, each fetched
-  and parsed in an executor's Python worker (the same parser as the local engine), bad rows kept with
-  their reason;
-- ``millpond_files`` writes a DataFrame as Parquet data files into a Delta table's folder, one or more
-  files per task; the driver side of the write (``commit``, which over Spark Connect runs in the server)
-  records the files' add actions in a small manifest object. The batch (the Connect client, which holds
-  the pipeline's lease) then commits them to the table in one Delta commit carrying the batch's
-  application transaction (``commit_files``). What passes through the driver is the list of files, never
-  their rows.
+- ``read_landing``: ``spark.range`` with one partition per planned file; each task fetches and parses its file
+  with the local engine's parser, bad rows kept with their reason;
+- ``read_table``: the client lists a Delta version's data files with delta-rs; each task reads one file with
+  pyarrow and conforms it to the table's schema (``lake.snapshot_files``);
+- ``write_files``: each task writes its rows as Parquet data files into the table's folder and returns one row
+  per file, its add action as JSON. ``collect_writes`` runs every table's write as one Spark job and brings back
+  only those rows; the batch (the Connect client, which holds the pipeline's lease) commits each table's files
+  in one Delta commit carrying its application transaction (``commit_files``).
+
+What reaches the client is bounded by the number of files and tables, never by rows. The functions shipped to
+executors are top-level (bound with ``functools.partial``) so they pickle by reference: a reused worker imports
+this module once.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from typing import Any
-from urllib.parse import urlparse
 
 import pyarrow as pa
-from pyspark.sql.datasource import (
-    DataSource,
-    DataSourceArrowWriter,
-    DataSourceReader,
-    InputPartition,
-    WriterCommitMessage,
-)
-from pyspark.sql.types import StructType
 
 from millpond.config import Settings
-from millpond.lake.waits import s3_filesystem
+from millpond.lake.snapshot_files import Storage, data_files, read_file, table_schema
 
-LANDING_FORMAT, FILES_FORMAT = "millpond_landing", "millpond_files"
-
-
-def store_options(settings: Settings) -> dict[str, str]:
-    """What an executor needs to reach the object store (``accessKey``/``secretKey``: names Spark redacts)."""
-    return {"endpoint": settings.s3_endpoint, "region": settings.s3_region, "accessKey": settings.s3_access_key,
-            "secretKey": settings.s3_secret_key, "storeTimeout": str(settings.store_timeout_s)}
-
-
-def _filesystem(options: dict[str, str]):
-    return s3_filesystem(options["endpoint"], options["accesskey"], options["secretkey"], options["region"],
-                         float(options.get("storetimeout", "120")))
+#: the rows a write returns: the table it wrote and one file's add action (JSON)
+WRITTEN = "tbl string, action string"
 
 
 def landing_schema(value_type: str) -> pa.Schema:
@@ -58,137 +47,160 @@ def landing_schema(value_type: str) -> pa.Schema:
                       ("pos", pa.int64()), ("line", pa.int64()), ("raw", pa.string()), ("reason", pa.string())])
 
 
-class _File(InputPartition):
-    def __init__(self, index: int, key: str, arrival: int) -> None:
-        super().__init__(index)
-        self.key, self.arrival = key, arrival
+def _spark_schema(schema: pa.Schema):
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    return from_arrow_schema(schema, prefer_timestamp_ntz=False)
 
 
-class LandingSource(DataSource):
-    """``spark.read.format("millpond_landing")`` with options ``files`` (JSON [[key, arrival], ...]),
-    ``bucket``, ``valueType``, ``processingTime`` and the store options."""
-
-    @classmethod
-    def name(cls) -> str:
-        return LANDING_FORMAT
-
-    def schema(self) -> StructType:
-        from pyspark.sql.pandas.types import from_arrow_schema
-
-        return from_arrow_schema(landing_schema(self.options.get("valueType", "int")))
-
-    def reader(self, schema: StructType) -> DataSourceReader:
-        return LandingReader({k.lower(): v for k, v in self.options.items()})
+def _per_item(spark, items: list[Any], task) -> Any:
+    """One Spark partition per item (``spark.range``: no shuffle, no rows from the client); ``task`` gets the
+    items and the record batches of its partition's indexes."""
+    n = len(items)
+    return spark.range(0, max(n, 1), 1, max(n, 1)), functools.partial(task, items)
 
 
-class LandingReader(DataSourceReader):
-    def __init__(self, options: dict[str, str]) -> None:
-        self.options = options
-        self.files = json.loads(options.get("files", "[]"))
-
-    def partitions(self) -> list[InputPartition]:
-        return [_File(i, key, arrival) for i, (key, arrival) in enumerate(self.files)] or [_File(0, "", 0)]
-
-    def read(self, partition: _File) -> Iterator[pa.RecordBatch]:
-        from millpond.lake.landing import event_schema, missing_file, parse_file_table
-
-        if not partition.key:
-            return
-        o = self.options
-        schema = landing_schema(o.get("valuetype", "int"))
-        try:
-            with _filesystem(o).open_input_stream(f"{o['bucket']}/{partition.key}", compression=None) as handle:
-                data = handle.read()
-        except FileNotFoundError:  # deleted since it was planned: one quarantined row, as on the local engine
-            good, bad = event_schema(o.get("valuetype", "int")).empty_table(), [missing_file(partition.key)]
-        else:
-            good, bad = parse_file_table(partition.key, data, value_type=o.get("valuetype", "int"),
-                                         file_arrival_us=partition.arrival, processing_time=int(o["processingtime"]))
-        n = good.num_rows
-        if n:
-            yield pa.RecordBatch.from_arrays(
-                [*(c.combine_chunks() for c in good.columns), pa.array([partition.key] * n),
-                 pa.array(range(n), pa.int64()), pa.nulls(n, pa.int64()), pa.nulls(n, pa.string()),
-                 pa.nulls(n, pa.string())], schema=schema)
-        if bad:
-            m = len(bad)
-            nulls = [pa.nulls(m, f.type) for f in schema][:5]
-            yield pa.RecordBatch.from_arrays(
-                [*nulls, pa.array([b[0] for b in bad], pa.string()), pa.nulls(m, pa.int64()),
-                 pa.array([b[1] for b in bad], pa.int64()), pa.array([b[2] for b in bad], pa.string()),
-                 pa.array([b[3] for b in bad], pa.string())], schema=schema)
+def _indexes(batches: Iterable[pa.RecordBatch]) -> Iterator[int]:
+    for b in batches:
+        yield from b.column(0).to_pylist()
 
 
-@dataclass
-class FilesWritten(WriterCommitMessage):
-    """What one task wrote: the add actions of its data files (path relative to the table, size, stats)."""
-
-    actions: list[dict[str, Any]]
-
-
-class FilesSink(DataSource):
-    """``df.write.format("millpond_files")`` with options ``table`` (s3://bucket/path), ``manifest`` (an
-    object key in the table's bucket), ``partitionBy`` (JSON list) and the store options."""
-
-    @classmethod
-    def name(cls) -> str:
-        return FILES_FORMAT
-
-    def writer(self, schema: StructType, overwrite: bool) -> DataSourceArrowWriter:
-        return FilesWriter({k.lower(): v for k, v in self.options.items()})
+# landing ------------------------------------------------------------------------------------------------------
+def read_landing(spark, settings: Settings, files: list[tuple[str, int]], value_type: str, processing_time: int):
+    """The planned files' rows as a DataFrame of ``landing_schema``, read and parsed on executors."""
+    ids, task = _per_item(spark, [tuple(f) for f in files], _landing_task)
+    task = functools.partial(task, Storage.of(settings), settings.bucket_landing, value_type, processing_time)
+    return ids.mapInArrow(task, _spark_schema(landing_schema(value_type)))
 
 
-class FilesWriter(DataSourceArrowWriter):
-    def __init__(self, options: dict[str, str]) -> None:
-        self.options = options
-        self.partition_by: list[str] = json.loads(options.get("partitionby", "[]"))
+def _landing_task(files: list[tuple[str, int]], storage: Storage, bucket: str, value_type: str, processing_time: int,
+                  batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Runs in an executor: each of the partition's files fetched and parsed (the local engine's parser)."""
+    filesystem = None
+    for i in _indexes(batches):
+        if i >= len(files):  # an empty plan still has one (empty) partition
+            continue
+        key, arrival = files[i]
+        if filesystem is None:
+            filesystem, _ = storage.filesystem(f"s3://{bucket}/{key}")
+        yield from _landing_rows(filesystem, bucket, key, arrival, value_type, processing_time)
 
-    def write(self, iterator: Iterator[Any]) -> FilesWritten:
-        """Runs in an executor: the task's rows as one Parquet file per partition of the table."""
-        import pyarrow.parquet as pq
 
-        batches = [b if isinstance(b, pa.RecordBatch) else pa.RecordBatch.from_pandas(b) for b in iterator]
-        if not batches:
-            return FilesWritten([])
-        table = pa.Table.from_batches(batches)
-        fs, root = _filesystem(self.options), self.options["table"].removeprefix("s3://").rstrip("/")
-        actions = []
-        for values, part in _partitions(table, self.partition_by):
-            folder = "/".join(f"{k}={v}" for k, v in values.items())
-            rel = f"{folder + '/' if folder else ''}part-{uuid.uuid4().hex}.parquet"
-            data = part.drop_columns(self.partition_by) if self.partition_by else part
-            with fs.open_output_stream(f"{root}/{rel}") as out:
-                pq.write_table(data, out)
-            size = fs.get_file_info(f"{root}/{rel}").size
-            actions.append({"path": rel, "size": size, "partition_values": values,
-                            "modification_time": int(time.time() * 1000), "stats": _stats(data)})
-        return FilesWritten(actions)
+def _landing_rows(filesystem, bucket: str, key: str, arrival: int, value_type: str, processing_time: int
+                  ) -> Iterator[pa.RecordBatch]:
+    from millpond.lake.landing import event_schema, missing_file, parse_file_table
 
-    def commit(self, messages: list[FilesWritten]) -> None:
-        """Runs once on the driver side: the job's files, for the batch to commit under its lease."""
-        actions = [a for m in messages if m is not None for a in m.actions]
-        fs, bucket = _filesystem(self.options), urlparse(self.options["table"]).netloc
-        with fs.open_output_stream(f"{bucket}/{self.options['manifest']}") as out:
-            out.write(json.dumps(actions).encode())
+    schema = landing_schema(value_type)
+    try:
+        with filesystem.open_input_stream(f"{bucket}/{key}", compression=None) as handle:
+            data = handle.read()
+    except FileNotFoundError:  # deleted since it was planned: one quarantined row, as on the local engine
+        good, bad = event_schema(value_type).empty_table(), [missing_file(key)]
+    else:
+        good, bad = parse_file_table(key, data, value_type=value_type, file_arrival_us=arrival,
+                                     processing_time=processing_time)
+    n = good.num_rows
+    if n:
+        yield pa.RecordBatch.from_arrays(
+            [*(c.combine_chunks() for c in good.columns), pa.array([key] * n),
+             pa.array(range(n), pa.int64()), pa.nulls(n, pa.int64()), pa.nulls(n, pa.string()),
+             pa.nulls(n, pa.string())], schema=schema)
+    if bad:
+        m = len(bad)
+        nulls = [pa.nulls(m, f.type) for f in schema][:5]
+        yield pa.RecordBatch.from_arrays(
+            [*nulls, pa.array([b[0] for b in bad], pa.string()), pa.nulls(m, pa.int64()),
+             pa.array([b[1] for b in bad], pa.int64()), pa.array([b[2] for b in bad], pa.string()),
+             pa.array([b[3] for b in bad], pa.string())], schema=schema)
 
-    def abort(self, messages: list[FilesWritten]) -> None:
-        """A failed job leaves no files behind that a later commit could name."""
-        fs, root = _filesystem(self.options), self.options["table"].removeprefix("s3://").rstrip("/")
-        for m in messages:
-            for a in (m.actions if m is not None else []):
-                fs.delete_file(f"{root}/{a['path']}")
+
+# Delta snapshots ----------------------------------------------------------------------------------------------
+def read_table(spark, tables, pipeline: str, name: str, version: int | None = None, *,
+               only: list[tuple[str, dict[str, Any]]] | None = None):
+    """``pipeline.name`` at ``version`` (latest if None) as a DataFrame, its data files listed here with
+    delta-rs and read on executors; ``only``: just these of its files (as ``snapshot_files.data_files``
+    lists them), e.g. the partitions a rewrite replaces. None if the table does not exist."""
+    dt = tables.open(pipeline, name, version)
+    if dt is None:
+        return None
+    files = data_files(dt) if only is None else only
+    schema = table_schema(dt)
+    ids, task = _per_item(spark, files, _table_task)
+    return ids.mapInArrow(functools.partial(task, Storage.of(tables.settings), schema), _spark_schema(schema))
+
+
+def table_files(tables, pipeline: str, name: str, version: int | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """The data files of ``pipeline.name`` at ``version`` (URI, typed partition values); [] if no table."""
+    dt = tables.open(pipeline, name, version)
+    return [] if dt is None else data_files(dt)
+
+
+def _table_task(files: list[tuple[str, dict[str, Any]]], storage: Storage, schema: pa.Schema,
+                batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Runs in an executor: the partition's data files, conformed to the table's schema."""
+    for i in _indexes(batches):
+        if i >= len(files):
+            continue
+        uri, parts = files[i]
+        filesystem, path = storage.filesystem(uri)
+        yield from read_file(filesystem, path, schema, parts)
+
+
+# data files out -----------------------------------------------------------------------------------------------
+def write_files(df, settings: Settings, table: str, table_uri: str, partition_by: list[str] | None = None):
+    """A lazy DataFrame (``WRITTEN``) that writes ``df`` as data files of the table at ``table_uri`` from the
+    executors, one row per file written; run it with ``collect_writes``."""
+    task = functools.partial(_write_task, Storage.of(settings), table, table_uri, list(partition_by or []))
+    return df.mapInArrow(task, WRITTEN)
+
+
+def collect_writes(writes: list[Any]) -> dict[str, list[dict[str, Any]]]:
+    """Every write in one Spark job; each table's add actions (only the file list comes to the client)."""
+    if not writes:
+        return {}
+    rows = functools.reduce(lambda a, b: a.unionByName(b), writes).collect()
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(r["tbl"], []).append(json.loads(r["action"]))
+    return out
+
+
+def _write_task(storage: Storage, table_name: str, table_uri: str, partition_by: list[str],
+                batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Runs in an executor: the task's rows as one Parquet file per partition of the table; one row per file."""
+    import pyarrow.parquet as pq
+
+    got = [b for b in batches if b.num_rows]
+    if not got:
+        return
+    table = pa.Table.from_batches(got)
+    filesystem, root = storage.filesystem(table_uri.rstrip("/"))
+    actions = []
+    for values, part in _partitions(table, partition_by):
+        folder = "/".join(f"{k}={v}" for k, v in values.items())
+        rel = f"{folder + '/' if folder else ''}part-{uuid.uuid4().hex}.parquet"
+        data = part.drop_columns(partition_by) if partition_by else part
+        with filesystem.open_output_stream(f"{root}/{rel}") as out:
+            pq.write_table(data, out)
+        size = filesystem.get_file_info(f"{root}/{rel}").size
+        actions.append(json.dumps({"path": rel, "size": size, "partition_values": values,
+                                   "modification_time": int(time.time() * 1000), "stats": _stats(data)}))
+    yield pa.RecordBatch.from_arrays([pa.array([table_name] * len(actions), pa.string()),
+                                      pa.array(actions, pa.string())], names=["tbl", "action"])
 
 
 def _partitions(table: pa.Table, columns: list[str]) -> Iterator[tuple[dict[str, str | None], pa.Table]]:
     if not columns:
         yield {}, table
         return
+    import pyarrow.compute as pc
+
     groups = table.group_by(columns).aggregate([])
     for row in groups.to_pylist():
         mask = None
         for c in columns:
-            cond = pa.compute.is_null(table.column(c)) if row[c] is None else pa.compute.equal(table.column(c), row[c])
-            mask = cond if mask is None else pa.compute.and_(mask, cond)
+            cond = pc.is_null(table.column(c)) if row[c] is None else pc.equal(table.column(c), row[c])
+            mask = cond if mask is None else pc.and_(mask, cond)
         yield {c: (None if row[c] is None else str(row[c])) for c in columns}, table.filter(mask)
 
 
@@ -205,24 +217,3 @@ def _stats(table: pa.Table) -> str:
             mm = pc.min_max(col)
             mins[f.name], maxs[f.name] = mm["min"].as_py(), mm["max"].as_py()
     return json.dumps({"numRecords": table.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
-
-
-def register(spark) -> None:
-    """Make both sources known to the session (once per client session)."""
-    spark.dataSource.register(LandingSource)
-    spark.dataSource.register(FilesSink)
-
-
-def read_landing(spark, settings: Settings, files: list[tuple[str, int]], value_type: str, processing_time: int):
-    """The planned files' rows as a DataFrame of ``landing_schema``, read and parsed on executors."""
-    return (spark.read.format(LANDING_FORMAT).options(**store_options(settings))
-            .option("bucket", settings.bucket_landing).option("files", json.dumps([list(f) for f in files]))
-            .option("valueType", value_type).option("processingTime", str(processing_time)).load())
-
-
-def write_files(df, settings: Settings, table_uri: str, partition_by: list[str] | None = None) -> str:
-    """Write ``df`` as data files of the table at ``table_uri`` from the executors; returns the manifest key."""
-    manifest = f"{urlparse(table_uri).path.strip('/')}/_millpond_manifests/{uuid.uuid4().hex}.json"
-    (df.write.format(FILES_FORMAT).mode("append").options(**store_options(settings)).option("table", table_uri)
-     .option("manifest", manifest).option("partitionBy", json.dumps(partition_by or [])).save())
-    return manifest

@@ -15,17 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlparse
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import StructType
 
 from millpond.config import Settings
-from millpond.lake.waits import s3_filesystem
+from millpond.lake.snapshot_files import Storage, data_files, read_file, table_schema
 
 FORMAT = "millpond"
-_BATCH_ROWS = 65_536
 
 
 def settings_options(settings: Settings) -> dict[str, str]:
@@ -58,10 +56,6 @@ def _options_settings(options: dict[str, str]) -> Settings:
         ("s3_secret_key", "secretkey"), ("bucket_lake", "bucket"), ("table_root", "tableroot"),
     ) if options.get(o)}
     return base.with_overrides(**changes)
-
-
-def _arrow_schema(dt) -> pa.Schema:
-    return pa.schema(dt.schema().to_arrow())
 
 
 class MillpondDataSource(DataSource):
@@ -110,7 +104,7 @@ class MillpondDataSource(DataSource):
         from pyspark.sql.pandas.types import from_arrow_schema
 
         _settings, dt = self._lookup()
-        return from_arrow_schema(_arrow_schema(dt), prefer_timestamp_ntz=False)
+        return from_arrow_schema(table_schema(dt), prefer_timestamp_ntz=False)
 
     def reader(self, schema: StructType) -> DataSourceReader:
         settings, dt = self._lookup()
@@ -121,68 +115,20 @@ class MillpondReader(DataSourceReader):
     """Plans on the driver (file list of the snapshot); reads one file per Spark partition."""
 
     def __init__(self, settings: Settings, dt) -> None:
-        self.schema = _arrow_schema(dt)
-        features = set(dt.protocol().reader_features or [])
-        if "deletionVectors" in features or "columnMapping" in features:
-            from millpond.errors import MillpondError
-
-            raise MillpondError(f"{dt.table_uri}: deletion vectors / column mapping are not supported by this reader")
-        actions = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
-        uris = dt.file_uris()
-        by_name = {u.rsplit("/", 1)[-1]: u for u in uris}
-        self.files: list[tuple[str, dict[str, Any]]] = []
-        for a in actions:
-            uri = by_name.get(str(a["path"]).rsplit("/", 1)[-1], a["path"])
-            parts = {k[len("partition."):]: v for k, v in a.items() if k.startswith("partition.")}
-            self.files.append((uri, parts))
-        self.storage = {
-            "endpoint": settings.s3_endpoint, "region": settings.s3_region,
-            "access_key": settings.s3_access_key, "secret_key": settings.s3_secret_key,
-            "timeout": settings.store_timeout_s,
-        }
+        self.schema = table_schema(dt)
+        self.files = data_files(dt)
+        self.storage = Storage.of(settings)
 
     def partitions(self) -> list[InputPartition]:
         if not self.files:  # an empty snapshot still needs one (empty) partition
             return [FilePartition(0, None, {})]
         return [FilePartition(i, uri, parts) for i, (uri, parts) in enumerate(self.files)]
 
-    def _filesystem(self, uri: str):
-        from pyarrow import fs
-
-        parsed = urlparse(uri)
-        if parsed.scheme in ("s3", "s3a"):
-            filesystem = s3_filesystem(self.storage["endpoint"], self.storage["access_key"],
-                                       self.storage["secret_key"], self.storage["region"], self.storage["timeout"])
-            return filesystem, f"{parsed.netloc}{parsed.path}"
-        if parsed.scheme == "file":
-            return fs.LocalFileSystem(), parsed.path
-        return fs.LocalFileSystem(), uri
-
     def read(self, partition: FilePartition) -> Iterator[pa.RecordBatch]:
-        import pyarrow.parquet as pq
-
         if partition.path is None:
             return
-        filesystem, path = self._filesystem(partition.path)
-        with filesystem.open_input_file(path) as handle:
-            pf = pq.ParquetFile(handle)
-            present = set(pf.schema_arrow.names)
-            wanted = [n for n in self.schema.names if n in present]
-            for batch in pf.iter_batches(batch_size=_BATCH_ROWS, columns=wanted):
-                yield self._conform(batch, partition.partition_values)
-
-    def _conform(self, batch: pa.RecordBatch, partition_values: dict[str, Any]) -> pa.RecordBatch:
-        """Columns in table order and types: partition values filled in, columns added later null."""
-        arrays = []
-        for f in self.schema:
-            if f.name in batch.schema.names:
-                col = batch.column(f.name)
-                arrays.append(col if col.type == f.type else col.cast(f.type))
-            elif f.name in partition_values:
-                arrays.append(pa.array([partition_values[f.name]] * batch.num_rows).cast(f.type))
-            else:
-                arrays.append(pa.nulls(batch.num_rows, f.type))
-        return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+        filesystem, path = self.storage.filesystem(partition.path)
+        yield from read_file(filesystem, path, self.schema, partition.partition_values)
 
 
 def register(spark, settings: Settings | None = None, pipelines: list[str] | None = None) -> dict[str, str]:

@@ -7,16 +7,21 @@ The batch's process (a Spark Connect client, holding the pipeline's lease) only 
 aggregates (counts, event-time bounds, the partitions touched) and commits each table's files in one Delta
 commit under the batch's application transaction. Tables kept by MERGE on the local engine (``windows``,
 ``current``) are rewritten copy-on-write: the files a batch changes are replaced, in the same commit.
+
+Every read and write is a ``mapInArrow`` over files the client planned (``lake.spark_io``), not a Python data
+source: no planner processes start on the server per batch, and every table's files are written in one job.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from millpond.lake import spark_io, sparksource
+from millpond.lake import spark_io
 from millpond.lake.file_commits import commit_files, live_files
 from millpond.lake.schemas import CURRENT_PARTITIONS, QUARANTINE_SCHEMA, SEEN_SCHEMA, current_schema, late_schema
 from millpond.lake.tables import Txn
@@ -38,8 +43,9 @@ def _ts(column: str):
 
 
 def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time: int, w_in: int):
-    """(the quarantined rows, the accepted elements, counts): parsed on executors, first of each id by
-    (arrival, file, line), ids seen by earlier batches dropped. Only counts come back."""
+    """(the quarantined rows, the accepted elements, counts, max event time, the cached parsed rows): parsed on
+    executors, first of each id by (arrival, file, line), ids seen by earlier batches dropped. Only counts
+    come back."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -55,7 +61,7 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
     if seen_version is not None:
         bounds = firsts.agg(F.min("event_time").alias("lo"), F.max("event_time").alias("hi")).collect()[0]
         if bounds["lo"] is not None:
-            seen = (sparksource.read(spark, f"{job.name}.seen_ids", job.settings, version=seen_version)
+            seen = (spark_io.read_table(spark, job.tables, job.name, "seen_ids", seen_version)
                     .select("id", F.unix_micros("event_time").alias("et"))
                     .where(F.col("et").between(bounds["lo"], bounds["hi"])).select("id"))
             accepted = firsts.join(seen, "id", "left_anti")
@@ -71,7 +77,7 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
                                                      in held], schema=bad.schema))
     counts = {"input": totals["rows"] + len(held), "accepted": kept["n"], "duplicates": good_n - kept["n"],
               "quarantined": totals["bad"] + len(held)}
-    return bad, accepted, counts, kept["max_et"]
+    return bad, accepted, counts, kept["max_et"], rows
 
 
 def delays(accepted) -> list[int]:
@@ -80,14 +86,14 @@ def delays(accepted) -> list[int]:
     return [r[0] for r in accepted.selectExpr("arrival_time - event_time").orderBy(1).collect()]
 
 
-def stored_windows(job: BatchContext, version: int | None, accepted, clock: BatchClock):
+def stored_windows(job: BatchContext, stored, accepted, clock: BatchClock):
     """The stored windows this batch can change (due timers, or reachable by a new element of its key),
-    with times as microseconds, read on executors."""
+    with times as microseconds, read on executors; ``stored``: the ``windows`` table at the plan's version."""
     from pyspark.sql import functions as F
 
-    if version is None:
+    if stored is None:
         return None
-    windows = sparksource.read(job.spark, f"{job.name}.windows", job.settings, version=version).select(
+    windows = stored.select(
         "key", F.unix_micros("window_start").alias("window_start"), F.unix_micros("window_end").alias("window_end"),
         "state", F.unix_micros("event_timer").alias("event_timer"), F.unix_micros("ptime_timer").alias("ptime_timer"))
     due = (F.coalesce(F.col("event_timer") <= F.lit(clock.watermark), F.lit(False))
@@ -110,9 +116,10 @@ def compute(job: BatchContext, clock: BatchClock, accepted, state):
                         job.spec.mode.value == "discarding", job.settings.columnar_windows).cache()
 
 
-def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted, out, versions: dict[str, Any]
-                  ) -> dict[str, int]:
-    """Every output table's files from the executors, each table one commit; counts for the marker."""
+def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted, out, versions: dict[str, Any],
+                  stored) -> dict[str, int]:
+    """Every output table's files from the executors in one Spark job, each table one commit; counts for the
+    marker. ``stored``: the ``windows`` table at ``versions["windows"]`` (None without one)."""
     from pyspark.sql import functions as F
 
     batch = clock.batch
@@ -136,14 +143,19 @@ def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted,
     seen = accepted.select("id", _ts("event_time"), F.lit(batch).alias("batch"))
     appends = [("late", late, late_schema(value_type)), ("panes", panes, pane_schema(pane_type)),
                ("quarantine", quarantine, QUARANTINE_SCHEMA), ("seen_ids", seen, SEEN_SCHEMA)]
+    writes: list[tuple[str, Any, Callable[[list[dict]], Any]]] = []
     for table, df, schema in appends:
         if tally.get(f"{table}:", 0) or table in ("quarantine", "seen_ids") or tally.get(f"{table}:value") \
                 or tally.get(f"{table}:retraction"):
-            _append(job, txn, table, df, schema)
+            writes.append(_append(job, txn, table, df, schema))
     if state_changes:
-        _rewrite_windows(job, txn, clock, out, versions.get("windows"))
+        writes.append(_rewrite_windows(job, txn, clock, out, versions.get("windows"), stored))
     if touched:
-        _rewrite_current(job, txn, clock, out, touched)
+        writes.append(_rewrite_current(job, txn, clock, out, touched))
+    # the Spark job runs now, on this thread; the Delta commits wait with the batch's others, in this order
+    written = spark_io.collect_writes([w for _t, w, _c in writes])
+    for table, _w, commit in writes:
+        job.commits.step(table, functools.partial(commit, written.get(table, [])))
     return {"late": tally.get("late:", 0), "panes": tally.get("panes:value", 0),
             "retractions": tally.get("panes:retraction", 0)}
 
@@ -175,13 +187,16 @@ def validate_batch(job: BatchContext, clock: BatchClock, accepted, out) -> None:
     validate_spark(job, clock, raw, panes_frame(out, clock), state)
 
 
-def _append(job: BatchContext, txn: Txn, table: str, df, schema: pa.Schema) -> None:
-    # the Spark job runs now, on this thread; the Delta commit waits with the batch's others
-    manifest = spark_io.write_files(df, job.settings, job.settings.table_uri(job.name, table))
-    job.commits.step(table, lambda: commit_files(job.tables, job.name, table, manifest, schema, txn))
+Write = tuple[str, Any, Callable[[list[dict]], Any]]
 
 
-def _rewrite_windows(job: BatchContext, txn: Txn, clock: BatchClock, out, version: int | None) -> None:
+def _append(job: BatchContext, txn: Txn, table: str, df, schema: pa.Schema) -> Write:
+    """(table, its lazy write, its commit given the files written)."""
+    write = spark_io.write_files(df, job.settings, table, job.settings.table_uri(job.name, table))
+    return table, write, lambda files: commit_files(job.tables, job.name, table, files, schema, txn)
+
+
+def _rewrite_windows(job: BatchContext, txn: Txn, clock: BatchClock, out, version: int | None, stored) -> Write:
     """``windows`` copy-on-write: the stored rows not changed by this batch, plus its upserts, replace the
     table's files (the local engine's MERGE, on executors)."""
     from pyspark.sql import functions as F
@@ -195,8 +210,8 @@ def _rewrite_windows(job: BatchContext, txn: Txn, clock: BatchClock, out, versio
     removes: list[dict] = []
     if version is not None:
         removes = live_files(job.tables, job.name, "windows", version)
-        old = sparksource.read(job.spark, f"{job.name}.windows", job.settings, version=version)
-        old_keys = old.select("*", F.unix_micros("window_start").alias("_s"), F.unix_micros("window_end").alias("_e"))
+        old_keys = stored.select("*", F.unix_micros("window_start").alias("_s"),
+                                 F.unix_micros("window_end").alias("_e"))
         changed = changes.select(F.col("key").alias("_k"), F.col("window_start").alias("_cs"),
                                  F.col("window_end").alias("_ce"))
         same = (F.col("key") == F.col("_k")) & (F.col("_s") == F.col("_cs")) & (F.col("_e") == F.col("_ce"))
@@ -204,14 +219,14 @@ def _rewrite_windows(job: BatchContext, txn: Txn, clock: BatchClock, out, versio
         new = unchanged.unionByName(new)
     # sorted within each task's file (a global orderBy costs a sampling job more): the same rows
     partitions = int(job.spark.conf.get("spark.sql.shuffle.partitions"))
-    manifest = spark_io.write_files(new.repartition(partitions, "key").sortWithinPartitions(*keys), job.settings,
-                                    job.settings.table_uri(job.name, "windows"))
-    job.commits.step("windows", lambda: commit_files(
-        job.tables, job.name, "windows", manifest, WINDOWS_SCHEMA, txn, removes=removes,
-        stats_columns=["key", "window_start", "window_end", "event_timer", "ptime_timer"]))
+    write = spark_io.write_files(new.repartition(partitions, "key").sortWithinPartitions(*keys), job.settings,
+                                 "windows", job.settings.table_uri(job.name, "windows"))
+    return "windows", write, lambda files: commit_files(
+        job.tables, job.name, "windows", files, WINDOWS_SCHEMA, txn, removes=removes,
+        stats_columns=["key", "window_start", "window_end", "event_timer", "ptime_timer"])
 
 
-def _rewrite_current(job: BatchContext, txn: Txn, clock: BatchClock, out, parts: set[tuple[str, str]]) -> None:
+def _rewrite_current(job: BatchContext, txn: Txn, clock: BatchClock, out, parts: set[tuple[str, str]]) -> Write:
     """The current view copy-on-write over the (day, hour) partitions of ``window_end`` the batch touches
     (``parts``: ISO day, hour)."""
     from pyspark.sql import functions as F
@@ -230,20 +245,17 @@ def _rewrite_current(job: BatchContext, txn: Txn, clock: BatchClock, out, parts:
     if dt is not None and tuple(dt.metadata().partition_columns) != CURRENT_PARTITIONS:
         raise NotImplementedError("the Spark engine rewrites only current views partitioned by window_end")
     keep = current.where("NOT deleted")
-    if removes:
-        old = sparksource.read(job.spark, f"{job.name}.current", job.settings)
-        touched_parts = None
-        for d, h in sorted(parts):
-            cond = (F.col("window_end_day") == F.lit(d).cast("date")) & (F.col("window_end_hour") == int(h))
-            touched_parts = cond if touched_parts is None else touched_parts | cond
-        old = old.where(touched_parts)
+    if removes:  # only the touched partitions' files are read
+        files = [(uri, pv) for uri, pv in spark_io.table_files(job.tables, job.name, "current", dt.version())
+                 if (str(pv.get("window_end_day")), str(pv.get("window_end_hour"))) in parts]
+        old = spark_io.read_table(job.spark, job.tables, job.name, "current", dt.version(), only=files)
         keep = old.join(current.select(*on), on, "left_anti").unionByName(keep)
     schema = current_schema(pane_type).append(pa.field("window_end_day", pa.date32())).append(
         pa.field("window_end_hour", pa.int32()))
-    manifest = spark_io.write_files(keep.withColumn("deleted", F.lit(False)), job.settings,
-                                    job.settings.table_uri(job.name, "current"), partition_by=list(CURRENT_PARTITIONS))
-    job.commits.step("current", lambda: commit_files(job.tables, job.name, "current", manifest, schema, txn,
-                                                     partition_by=CURRENT_PARTITIONS, removes=removes))
+    write = spark_io.write_files(keep.withColumn("deleted", F.lit(False)), job.settings, "current",
+                                 job.settings.table_uri(job.name, "current"), partition_by=list(CURRENT_PARTITIONS))
+    return "current", write, lambda files: commit_files(job.tables, job.name, "current", files, schema, txn,
+                                                        partition_by=CURRENT_PARTITIONS, removes=removes)
 
 
 def run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], prev: dict[str, Any] | None, w_in: int,
@@ -258,15 +270,17 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], prev: d
                   processing_time: int, explicit_watermark, timer) -> tuple[dict[str, int], BatchClock, int | None]:
     from millpond.runtime.steps.watermark import clock_for
 
-    spark_io.register(job.spark)
-    sparksource.register(job.spark)
-    bad, accepted, counts, max_et = read_and_dedup(job, the_plan, processing_time, w_in)
+    bad, accepted, counts, max_et, parsed = read_and_dedup(job, the_plan, processing_time, w_in)
     timer.lap("ingest")
     policy = job.spec.watermark_policy
     clock, max_et = clock_for(job, job.batch, processing_time, w_in, prev, max_et, the_plan, explicit_watermark,
                               delays(accepted) if policy.kind == "percentile" and explicit_watermark is None else None)
     timer.lap("watermark")
-    state = stored_windows(job, the_plan["versions"].get("windows"), accepted, clock)
+    version = the_plan["versions"].get("windows")
+    # read once: the state's due and reachable windows, and the rewrite's unchanged ones
+    stored = None if version is None else spark_io.read_table(job.spark, job.tables, job.name, "windows", version)
+    stored = None if stored is None else stored.cache()
+    state = stored_windows(job, stored, accepted, clock)
     if state is not None:
         state = state.cache()
     job.commits.plan_landed()
@@ -276,7 +290,10 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], prev: d
         validate_batch(job, clock, accepted, out)
         timer.lap("validation")
     job.commits.defer()
-    outputs = write_outputs(job, txn, clock, bad, accepted, out, the_plan["versions"])
+    outputs = write_outputs(job, txn, clock, bad, accepted, out, the_plan["versions"], stored)
     counts = {"files": len(the_plan["files"]), **counts, "late": 0, "panes": 0, "retractions": 0,
               "state_rows_read": 0 if state is None else state.count(), **outputs}
+    for frame in (parsed, stored, state, out, accepted):  # a warm server keeps cached frames until told
+        if frame is not None:
+            frame.unpersist()
     return counts, clock, max_et
