@@ -20,12 +20,24 @@ from millpond.runtime.job import run_batch
 from millpond.runtime.microbatch import MicroBatch
 from millpond.runtime.steps import plan
 
-# Processing times just after now: a key without a tag arrives at its last-modified time.
-T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=30)
+T0 = datetime.now(UTC).replace(microsecond=0)
 
 
 def at(minutes: float) -> datetime:
     return T0 + timedelta(minutes=minutes)
+
+
+@pytest.fixture(autouse=True)
+def _start_now() -> None:
+    """Processing times just after the test starts (a key without a tag arrives at its last-modified time),
+    with batches 1-8 inside one ten-minute full-listing period whatever the clock says."""
+    global T0
+    T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=30)
+    period = timedelta(minutes=10)
+    boundary = datetime.fromtimestamp((at(1).timestamp() // 600 + 1) * 600, UTC)
+    if boundary <= at(8):
+        T0 = boundary - timedelta(minutes=1)
+    assert at(8) - at(1) < period
 
 
 def _doc(name: str, prefix: str, **listing: str) -> dict:
