@@ -145,13 +145,16 @@ def test_fig14_sessions_retracting_via_cli(settings, tmp_path) -> None:
 
 @pytest.mark.parametrize("partitions", [1, 3])
 def test_fig14_on_spark_matches_driver_path(settings, spark, tables, pipeline_name, monkeypatch, partitions) -> None:
-    """The per-key step on Spark (cogroup + applyInPandas) gives the same tables at any parallelism."""
-    spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
+    """The Spark engine gives the same tables at any parallelism (the batch's shuffle width is its size's, capped
+    by ``spark.shuffle_partitions``: one row per task makes the cap the width here)."""
+    from millpond.runtime.engines import spark_batch
+
+    monkeypatch.setattr(spark_batch, "ROWS_PER_TASK", 1)
     doc = {"name": pipeline_name, "window": {"type": "sessions", "gap": "1m"},
            "trigger": "SequenceOf(RepeatUntil(AtPeriod('1m'), AtWatermark()), Repeat(AtWatermark()))",
            "accumulation": "accumulating_and_retracting", "aggregation": "sum", "allowed_lateness": "10m",
            "batch_interval": "1m", "watermark": EXPLICIT, "source": {"prefix": f"replay/{pipeline_name}/"}}
-    on_spark = settings.with_overrides(engine="spark", engine_local_below=0)
+    on_spark = settings.with_overrides(engine="spark", engine_local_below=0, spark_shuffle_partitions=partitions)
     panes = replay(on_spark, pipeline_from_dict(doc), EVENTS, spark=spark)
     assert [(p["batch"], p["window_start"][11:19], p["kind"][0], p["value"], p["timing"]) for p in panes] == FIG14
     current = tables.read_arrow(pipeline_name, "current").sort_by("window_start").to_pylist()

@@ -30,6 +30,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from millpond.config import Settings
@@ -40,11 +41,14 @@ WRITTEN = "tbl string, action string"
 
 
 def landing_schema(value_type: str) -> pa.Schema:
-    """Every row of the planned files: an element (``reason`` null) or a quarantined line (``reason`` set)."""
+    """Every row of the planned files: an element (``reason`` null) or a quarantined line (``reason`` set).
+    An element names its file by ``file_rank`` (the file's place among the batch's files by name: dedup's
+    order, at an integer's cost in its sort), a quarantined line by ``source_file``."""
     return pa.schema([("id", pa.string()), ("key", pa.string()),
                       ("value", pa.int64() if value_type == "int" else pa.float64()),
-                      ("event_time", pa.int64()), ("arrival_time", pa.int64()), ("source_file", pa.string()),
-                      ("pos", pa.int64()), ("line", pa.int64()), ("raw", pa.string()), ("reason", pa.string())])
+                      ("event_time", pa.int64()), ("arrival_time", pa.int64()), ("file_rank", pa.int32()),
+                      ("pos", pa.int64()), ("source_file", pa.string()), ("line", pa.int64()), ("raw", pa.string()),
+                      ("reason", pa.string())])
 
 
 def _spark_schema(schema: pa.Schema):
@@ -68,26 +72,27 @@ def _indexes(batches: Iterable[pa.RecordBatch]) -> Iterator[int]:
 # landing ------------------------------------------------------------------------------------------------------
 def read_landing(spark, settings: Settings, files: list[tuple[str, int]], value_type: str, processing_time: int):
     """The planned files' rows as a DataFrame of ``landing_schema``, read and parsed on executors."""
-    ids, task = _per_item(spark, [tuple(f) for f in files], _landing_task)
+    rank = {key: i for i, key in enumerate(sorted(key for key, _ in files))}
+    ids, task = _per_item(spark, [(key, arrival, rank[key]) for key, arrival in files], _landing_task)
     task = functools.partial(task, Storage.of(settings), settings.bucket_landing, value_type, processing_time)
     return ids.mapInArrow(task, _spark_schema(landing_schema(value_type)))
 
 
-def _landing_task(files: list[tuple[str, int]], storage: Storage, bucket: str, value_type: str, processing_time: int,
-                  batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+def _landing_task(files: list[tuple[str, int, int]], storage: Storage, bucket: str, value_type: str,
+                  processing_time: int, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """Runs in an executor: each of the partition's files fetched and parsed (the local engine's parser)."""
     filesystem = None
     for i in _indexes(batches):
         if i >= len(files):  # an empty plan still has one (empty) partition
             continue
-        key, arrival = files[i]
+        key, arrival, rank = files[i]
         if filesystem is None:
             filesystem, _ = storage.filesystem(f"s3://{bucket}/{key}")
-        yield from _landing_rows(filesystem, bucket, key, arrival, value_type, processing_time)
+        yield from _landing_rows(filesystem, bucket, key, arrival, rank, value_type, processing_time)
 
 
-def _landing_rows(filesystem, bucket: str, key: str, arrival: int, value_type: str, processing_time: int
-                  ) -> Iterator[pa.RecordBatch]:
+def _landing_rows(filesystem, bucket: str, key: str, arrival: int, rank: int, value_type: str,
+                  processing_time: int) -> Iterator[pa.RecordBatch]:
     from millpond.lake.landing import event_schema, missing_file, parse_file_table
 
     schema = landing_schema(value_type)
@@ -102,14 +107,12 @@ def _landing_rows(filesystem, bucket: str, key: str, arrival: int, value_type: s
     n = good.num_rows
     if n:
         yield pa.RecordBatch.from_arrays(
-            [*(c.combine_chunks() for c in good.columns), pa.array([key] * n),
-             pa.array(range(n), pa.int64()), pa.nulls(n, pa.int64()), pa.nulls(n, pa.string()),
-             pa.nulls(n, pa.string())], schema=schema)
+            [*(c.combine_chunks() for c in good.columns), pa.array(np.full(n, rank, np.int32)),
+             pa.array(np.arange(n, dtype=np.int64)), *(pa.nulls(n, f.type) for f in list(schema)[7:])], schema=schema)
     if bad:
         m = len(bad)
-        nulls = [pa.nulls(m, f.type) for f in schema][:5]
         yield pa.RecordBatch.from_arrays(
-            [*nulls, pa.array([b[0] for b in bad], pa.string()), pa.nulls(m, pa.int64()),
+            [*(pa.nulls(m, f.type) for f in list(schema)[:7]), pa.array([b[0] for b in bad], pa.string()),
              pa.array([b[1] for b in bad], pa.int64()), pa.array([b[2] for b in bad], pa.string()),
              pa.array([b[3] for b in bad], pa.string())], schema=schema)
 
@@ -133,6 +136,18 @@ def table_files(tables, pipeline: str, name: str, version: int | None = None) ->
     """The data files of ``pipeline.name`` at ``version`` (URI, typed partition values); [] if no table."""
     dt = tables.open(pipeline, name, version)
     return [] if dt is None else data_files(dt)
+
+
+def table_rows(tables, pipeline: str, name: str, version: int | None) -> int:
+    """The rows of ``pipeline.name`` at ``version`` by its files' statistics (0 without the table or a version)."""
+    if version is None:
+        return 0
+    dt = tables.open(pipeline, name, version)
+    if dt is None:
+        return 0
+    import pyarrow.compute as pc
+
+    return int(pc.sum(pa.table(dt.get_add_actions(flatten=True)).column("num_records")).as_py() or 0)
 
 
 def _table_task(files: list[tuple[str, dict[str, Any]]], storage: Storage, schema: pa.Schema,

@@ -23,7 +23,8 @@ from millpond.errors import MillpondError, PrerequisiteMissing
 from millpond.orchestration.processes import port_free, read_pid, run_dir, stop_group
 from millpond.prerequisites import require_java
 
-SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+#: the server's driver program (not Spark's ``SparkConnectServer`` class: see ``connect_driver``)
+DRIVER = Path(__file__).resolve().parent / "connect_driver.py"
 
 
 def spark_home() -> Path:
@@ -57,7 +58,7 @@ def _listening(port: int) -> bool:
 
 
 class SparkConnectServer:
-    """``spark-submit --class SparkConnectServer`` as one process group, data and logs under ``var/``."""
+    """``spark-submit connect_driver.py`` as one process group, data and logs under ``var/``."""
 
     def __init__(self, settings: Settings, master: str | None = None) -> None:
         self.settings = settings
@@ -91,17 +92,18 @@ class SparkConnectServer:
             "spark.sql.execution.arrow.pyspark.enabled": "true",
             "spark.sql.adaptive.enabled": "false",
             "spark.python.worker.reuse": "true",
+            "spark.python.daemon.module": "millpond.runtime.spark_daemon",
+            "spark.sql.artifact.isolation.enabled": "false",
             "spark.jars.ivy": home / "spark" / "ivy",
             "spark.local.dir": home / "spark" / "local",
             "spark.sql.warehouse.dir": home / "spark" / "warehouse",
             "spark.executorEnv.PYTHONPATH": spark_env(s)["PYTHONPATH"],
             "spark.executorEnv.PYSPARK_PYTHON": sys.executable,
         }
-        args = [str(spark_home() / "bin" / "spark-submit"), "--class", SERVER_CLASS, "--master", self.master,
-                "--name", "millpond-connect"]
+        args = [str(spark_home() / "bin" / "spark-submit"), "--master", self.master, "--name", "millpond-connect"]
         for key, value in conf.items():
             args += ["--conf", f"{key}={value}"]
-        return [*args, "spark-internal"]
+        return [*args, str(DRIVER)]
 
     def start(self, timeout: float = 120.0) -> bool:
         """Start if not running (idempotent); wait until a client can connect. True if started."""

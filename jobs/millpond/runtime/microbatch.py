@@ -161,11 +161,13 @@ class MicroBatch:
         plan.start_upkeep(self, batch)
         t.lap("plan", files=len(the_plan["files"]), held=len(the_plan["held"]) or None,
               skipped=len(the_plan["skipped"]) or None)
-        if self._on_spark(found["landing"], the_plan):
+        planned = self._planned_bytes(found["landing"], the_plan)
+        if self._on_spark(planned):
             from millpond.runtime.engines import spark_batch  # pyspark is imported by Spark batches only
 
             t.begin("ingest", files=len(the_plan["files"]), engine="spark")
-            counts, clock, max_et = spark_batch.run_on_spark(self, txn, the_plan, prev, w_in, P, explicit_watermark, t)
+            counts, clock, max_et = spark_batch.run_on_spark(self, txn, the_plan, planned, prev, w_in, P,
+                                                             explicit_watermark, t)
             counts["skipped"] = len(the_plan["skipped"])
             self._finish(txn, clock, max_et, counts, t)
             return BatchResult(self.name, batch, to_datetime(P), to_datetime(clock.watermark), counts, t.phases)
@@ -192,13 +194,17 @@ class MicroBatch:
         self._finish(txn, clock, max_et, counts, t)
         return BatchResult(self.name, batch, to_datetime(P), to_datetime(clock.watermark), counts, t.phases)
 
-    def _on_spark(self, listing: list[StoredObject], the_plan: dict[str, Any]) -> bool:
+    @staticmethod
+    def _planned_bytes(listing: list[StoredObject], the_plan: dict[str, Any]) -> int:
+        """The bytes of the batch's planned landing files (as listed)."""
+        sizes = {o.key: o.size for o in listing}
+        return sum(sizes.get(key, 0) for key in the_plan["files"])
+
+    def _on_spark(self, planned: int) -> bool:
         """Whether this batch runs as a Spark job (``engines.runs_on_spark``), judged by its files' bytes. A
         stage (a pipeline reading an upstream's panes) always runs on the local engine."""
         if self.spec.upstream is not None:
             return False
-        sizes = {o.key: o.size for o in listing}
-        planned = sum(sizes.get(key, 0) for key in the_plan["files"])
         return runs_on_spark(self.settings, self.spark, planned, windowed=type(self).process is MicroBatch.process)
 
     def _finish(self, txn: Txn, clock: BatchClock, max_et: int | None, counts: dict[str, Any], t: PhaseTimer) -> None:

@@ -27,7 +27,7 @@ def connect(settings: Settings):
     try:
         session = SparkSession.builder.remote(url).getOrCreate()
         with watched(session, url, settings.spark_timeout_s):
-            session.range(1).count()  # the first call is where a missing server shows
+            session.conf.get("spark.master")  # the first call is where a missing server shows (no Spark job)
     except ServerFrozen:
         raise
     except Exception as exc:  # noqa: BLE001 - gRPC errors become one line

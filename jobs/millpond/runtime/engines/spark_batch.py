@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from millpond.config import Settings
 from millpond.lake import spark_io
 from millpond.lake.file_commits import commit_files, live_files
 from millpond.lake.schemas import CURRENT_PARTITIONS, QUARANTINE_SCHEMA, SEEN_SCHEMA, current_schema, late_schema
@@ -30,10 +31,17 @@ from millpond.model.panes import pane_schema
 from millpond.model.state import WINDOWS_SCHEMA
 from millpond.runtime.engines.spark_keys import per_key_step
 from millpond.runtime.spark_watchdog import watched
+from millpond.runtime.steps.dedup import seen_keep_from
 from millpond.runtime.steps.read import held_rows
 
 if TYPE_CHECKING:
     from millpond.runtime.context import BatchContext
+
+
+#: rows one task of a batch's shuffles takes (the per-key step's partitions)
+ROWS_PER_TASK = 250_000
+#: a landing file's bytes per element, to size the batch's shuffles before its files are read (JSON lines)
+LANDING_BYTES_PER_ROW = 100
 
 
 def _ts(column: str):
@@ -42,30 +50,57 @@ def _ts(column: str):
     return F.timestamp_micros(F.col(column)).alias(column)
 
 
-def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time: int, w_in: int):
+def keep(spark, df):
+    """``df`` computed once for the batch's several uses. On a ``local`` master, a lazy local checkpoint: its
+    later plans then start from the stored rows instead of repeating the whole lineage, which a Connect server
+    would analyse and plan again for every action (seconds per small batch). On a cluster, a cache: a lost
+    executor's cached rows are recomputed from the lineage, a checkpoint's would fail the batch."""
+    if _local_master(spark):
+        return df.localCheckpoint(eager=False)
+    return df.cache()
+
+
+_MASTERS: dict[int, bool] = {}
+
+
+def _local_master(spark) -> bool:
+    key = id(spark)
+    if key not in _MASTERS:
+        _MASTERS[key] = str(spark.conf.get("spark.master")).startswith("local")
+    return _MASTERS[key]
+
+
+def batch_partitions(settings: Settings, rows: int) -> int:
+    """The batch's shuffle partitions: one task per ``ROWS_PER_TASK`` rows, at most ``spark.shuffle_partitions``.
+    A small batch then runs a handful of tasks (each costs a Python worker round trip and, when it writes,
+    a file per table) instead of the deployment's full width; the tables do not depend on it."""
+    return max(1, min(settings.spark_shuffle_partitions, -(-rows // ROWS_PER_TASK)))
+
+
+def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time: int, w_in: int, seen):
     """(the quarantined rows, the accepted elements, counts, max event time, the cached parsed rows): parsed on
-    executors, first of each id by (arrival, file, line), ids seen by earlier batches dropped. Only counts
-    come back."""
+    executors, first of each id by (arrival, file, line), ids seen by earlier batches (``seen``, the
+    ``seen_ids`` snapshot, or None) dropped when their event time is within the batch's range, as on the
+    local engine. One Spark job; only counts come back."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     spark = job.spark
     rows = spark_io.read_landing(spark, job.settings, list(zip(the_plan["files"], the_plan["arrivals"], strict=True)),
-                                 job.spec.value_type, processing_time).cache()
+                                 job.spec.value_type, processing_time)
+    rows = keep(spark, rows)
     bad = rows.where(F.col("reason").isNotNull())
     good = rows.where(F.col("reason").isNull())
-    first = Window.partitionBy("id").orderBy("arrival_time", "source_file", "pos")
+    first = Window.partitionBy("id").orderBy("arrival_time", "file_rank", "pos")
     firsts = good.withColumn("_n", F.row_number().over(first)).where("_n = 1").drop("_n")
-    seen_version = the_plan["versions"].get("seen_ids")
     accepted = firsts
-    if seen_version is not None:
-        bounds = firsts.agg(F.min("event_time").alias("lo"), F.max("event_time").alias("hi")).collect()[0]
-        if bounds["lo"] is not None:
-            seen = (spark_io.read_table(spark, job.tables, job.name, "seen_ids", seen_version)
-                    .select("id", F.unix_micros("event_time").alias("et"))
-                    .where(F.col("et").between(bounds["lo"], bounds["hi"])).select("id"))
-            accepted = firsts.join(seen, "id", "left_anti")
-    accepted = accepted.select("id", "key", "value", "event_time", "arrival_time").cache()
+    if seen is not None:
+        # the batch's event-time range joined in the plan (a one-row broadcast), not collected first
+        bounds = firsts.agg(F.min("event_time").alias("_lo"), F.max("event_time").alias("_hi"))
+        known = (seen.select("id", F.unix_micros("event_time").alias("_et")).crossJoin(F.broadcast(bounds))
+                 .where(F.col("_et").between(F.col("_lo"), F.col("_hi"))).select("id"))
+        accepted = firsts.join(known, "id", "left_anti")
+    accepted = keep(spark, accepted.select("id", "key", "value", "event_time", "arrival_time"))
     # both tallies in one Spark job (each action costs a job's round trip on the server)
     totals = kept = (rows.agg(F.count(F.lit(1)).alias("rows"), F.count("reason").alias("bad"))
                      .crossJoin(accepted.agg(F.count(F.lit(1)).alias("n"), F.max("event_time").alias("max_et")))
@@ -73,7 +108,7 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
     good_n = totals["rows"] - totals["bad"]
     held = held_rows(the_plan)
     if held:  # files an operator held: one quarantined row each, as on the local engine
-        bad = bad.unionByName(spark.createDataFrame([(None,) * 5 + (k, None, line, raw, why) for k, line, raw, why
+        bad = bad.unionByName(spark.createDataFrame([(None,) * 7 + (k, line, raw, why) for k, line, raw, why
                                                      in held], schema=bad.schema))
     counts = {"input": totals["rows"] + len(held), "accepted": kept["n"], "duplicates": good_n - kept["n"],
               "quarantined": totals["bad"] + len(held)}
@@ -109,17 +144,19 @@ def stored_windows(job: BatchContext, stored, accepted, clock: BatchClock):
         "key", "window_start", "window_end", "state", "event_timer", "ptime_timer")
 
 
-def compute(job: BatchContext, clock: BatchClock, accepted, state):
+def compute(job: BatchContext, clock: BatchClock, accepted, state, partitions: int):
     """The per-key step on executors (``spark_keys.per_key_step``); the output rows of every table, tagged."""
     spec_json = json.dumps(job.spec.raw, sort_keys=True, default=str)
-    return per_key_step(job.spark, spec_json, clock, accepted, state, job.spec.value_type, job.spec.pane_value_type,
-                        job.spec.mode.value == "discarding", job.settings.columnar_windows).cache()
+    return keep(job.spark, per_key_step(spec_json, clock, accepted, state, job.spec.value_type,
+                                        job.spec.pane_value_type, job.spec.mode.value == "discarding",
+                                        job.settings.columnar_windows, partitions))
 
 
 def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted, out, versions: dict[str, Any],
-                  stored) -> dict[str, int]:
+                  stored, seen, partitions: int, w_in: int) -> dict[str, int]:
     """Every output table's files from the executors in one Spark job, each table one commit; counts for the
-    marker. ``stored``: the ``windows`` table at ``versions["windows"]`` (None without one)."""
+    marker. ``stored``: the ``windows`` table at ``versions["windows"]`` (None without one); ``seen``: the
+    ``seen_ids`` table at ``versions["seen_ids"]`` (None without one)."""
     from pyspark.sql import functions as F
 
     batch = clock.batch
@@ -128,28 +165,35 @@ def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted,
     is_current = F.col("tbl") == "current"
     groups = out.groupBy("tbl", "kind", F.when(is_current, F.to_date(F.timestamp_micros("window_end"))).alias("d"),
                          F.when(is_current, F.hour(F.timestamp_micros("window_end"))).alias("h")
-                         ).agg(F.count(F.lit(1)).alias("n")).collect()
+                         ).agg(F.sum(F.when(F.col("tbl") == "read", F.col("pane_index")).otherwise(1)).alias("n")
+                               ).collect()
     tally: dict[str, int] = {}
     for r in groups:
         tally[r["tbl"] + ":" + (r["kind"] or "")] = tally.get(r["tbl"] + ":" + (r["kind"] or ""), 0) + r["n"]
     touched = {(r["d"].isoformat(), str(r["h"])) for r in groups if r["tbl"] == "current"}
     state_changes = sum(r["n"] for r in groups if r["tbl"] == "state")
+    state_read = sum(r["n"] for r in groups if r["tbl"] == "read")
     pane_type, value_type = job.spec.pane_value_type, job.spec.value_type
     panes = panes_frame(out, clock)
     late = out.where("tbl = 'late'").select(
         "id", "key", F.col("late_value").alias("value"), _ts("event_time"), _ts("arrival_time"), "reason",
         F.lit(batch).alias("batch"))
     quarantine = bad.select("source_file", "line", "raw", "reason", F.lit(batch).alias("batch"))
-    seen = accepted.select("id", _ts("event_time"), F.lit(batch).alias("batch"))
+    own = accepted.select("id", _ts("event_time"), F.lit(batch).alias("batch"))
     appends = [("late", late, late_schema(value_type)), ("panes", panes, pane_schema(pane_type)),
-               ("quarantine", quarantine, QUARANTINE_SCHEMA), ("seen_ids", seen, SEEN_SCHEMA)]
+               ("quarantine", quarantine, QUARANTINE_SCHEMA)]
     writes: list[tuple[str, Any, Callable[[list[dict]], Any]]] = []
     for table, df, schema in appends:
-        if tally.get(f"{table}:", 0) or table in ("quarantine", "seen_ids") or tally.get(f"{table}:value") \
+        if tally.get(f"{table}:", 0) or table == "quarantine" or tally.get(f"{table}:value") \
                 or tally.get(f"{table}:retraction"):
             writes.append(_append(job, txn, table, df, schema))
+    keep_from = seen_keep_from(job, w_in, versions.get("seen_ids"))
+    if keep_from is None:
+        writes.append(_append(job, txn, "seen_ids", own, SEEN_SCHEMA))
+    else:
+        writes.append(_rewrite_seen(job, txn, seen, own, versions["seen_ids"], keep_from, partitions))
     if state_changes:
-        writes.append(_rewrite_windows(job, txn, clock, out, versions.get("windows"), stored))
+        writes.append(_rewrite_windows(job, txn, clock, out, versions.get("windows"), stored, partitions))
     if touched:
         writes.append(_rewrite_current(job, txn, clock, out, touched))
     # the Spark job runs now, on this thread; the Delta commits wait with the batch's others, in this order
@@ -157,7 +201,7 @@ def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted,
     for table, _w, commit in writes:
         job.commits.step(table, functools.partial(commit, written.get(table, [])))
     return {"late": tally.get("late:", 0), "panes": tally.get("panes:value", 0),
-            "retractions": tally.get("panes:retraction", 0)}
+            "retractions": tally.get("panes:retraction", 0), "state_rows_read": state_read}
 
 
 def panes_frame(out, clock: BatchClock):
@@ -196,7 +240,22 @@ def _append(job: BatchContext, txn: Txn, table: str, df, schema: pa.Schema) -> W
     return table, write, lambda files: commit_files(job.tables, job.name, table, files, schema, txn)
 
 
-def _rewrite_windows(job: BatchContext, txn: Txn, clock: BatchClock, out, version: int | None, stored) -> Write:
+def _rewrite_seen(job: BatchContext, txn: Txn, seen, own, version: int, keep_from: int, partitions: int) -> Write:
+    """``seen_ids`` replaced by the earlier ids still within the dedup horizon plus this batch's (the local
+    engine's fold, ``steps.dedup.seen_keep_from``): ids expire, so the table dedup reads stays bounded."""
+    from pyspark.sql import functions as F
+
+    kept = seen.where(F.unix_micros("event_time") >= F.lit(keep_from)).select(*SEEN_SCHEMA.names)
+    removes = live_files(job.tables, job.name, "seen_ids", version)
+    rows = kept.unionByName(own).coalesce(partitions).sortWithinPartitions("event_time")
+    write = spark_io.write_files(rows, job.settings, "seen_ids",
+                                 job.settings.table_uri(job.name, "seen_ids"))
+    return "seen_ids", write, lambda files: commit_files(job.tables, job.name, "seen_ids", files, SEEN_SCHEMA, txn,
+                                                         removes=removes)
+
+
+def _rewrite_windows(job: BatchContext, txn: Txn, clock: BatchClock, out, version: int | None, stored,
+                     partitions: int) -> Write:
     """``windows`` copy-on-write: the stored rows not changed by this batch, plus its upserts, replace the
     table's files (the local engine's MERGE, on executors)."""
     from pyspark.sql import functions as F
@@ -218,7 +277,6 @@ def _rewrite_windows(job: BatchContext, txn: Txn, clock: BatchClock, out, versio
         unchanged = old_keys.join(changed, same, "left_anti").select(*WINDOWS_SCHEMA.names)
         new = unchanged.unionByName(new)
     # sorted within each task's file (a global orderBy costs a sampling job more): the same rows
-    partitions = int(job.spark.conf.get("spark.sql.shuffle.partitions"))
     write = spark_io.write_files(new.repartition(partitions, "key").sortWithinPartitions(*keys), job.settings,
                                  "windows", job.settings.table_uri(job.name, "windows"))
     return "windows", write, lambda files: commit_files(
@@ -258,41 +316,56 @@ def _rewrite_current(job: BatchContext, txn: Txn, clock: BatchClock, out, parts:
                                                         partition_by=CURRENT_PARTITIONS, removes=removes)
 
 
-def run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], prev: dict[str, Any] | None, w_in: int,
-                 processing_time: int, explicit_watermark, timer) -> tuple[dict[str, int], BatchClock, int | None]:
+def run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], planned_bytes: int,
+                 prev: dict[str, Any] | None, w_in: int, processing_time: int, explicit_watermark, timer
+                 ) -> tuple[dict[str, int], BatchClock, int | None]:
     """The batch's read, dedup, watermark, per-key step and writes as Spark jobs; counts, clock, max event time.
-    A Connect server that stops answering meanwhile fails the batch within ``spark.timeout``."""
-    with watched(job.spark, job.settings.spark_connect_url, job.settings.spark_timeout_s):
-        return _run_on_spark(job, txn, the_plan, prev, w_in, processing_time, explicit_watermark, timer)
+    ``planned_bytes``: the planned landing files' size, which with the stored windows sizes the batch's
+    shuffles. A Connect server that stops answering meanwhile fails the batch within ``spark.timeout``."""
+    conf = job.spark.conf
+    width = conf.get("spark.sql.shuffle.partitions")  # the session's, put back after (a shared session's peers)
+    try:
+        with watched(job.spark, job.settings.spark_connect_url, job.settings.spark_timeout_s):
+            return _run_on_spark(job, txn, the_plan, planned_bytes, prev, w_in, processing_time, explicit_watermark,
+                                 timer)
+    finally:
+        if not getattr(job.spark, "is_stopped", False):  # a Connect session the watchdog closed takes no calls
+            conf.set("spark.sql.shuffle.partitions", width)
 
 
-def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], prev: dict[str, Any] | None, w_in: int,
-                  processing_time: int, explicit_watermark, timer) -> tuple[dict[str, int], BatchClock, int | None]:
+def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], planned_bytes: int,
+                  prev: dict[str, Any] | None, w_in: int, processing_time: int, explicit_watermark, timer
+                  ) -> tuple[dict[str, int], BatchClock, int | None]:
     from millpond.runtime.steps.watermark import clock_for
 
-    bad, accepted, counts, max_et, parsed = read_and_dedup(job, the_plan, processing_time, w_in)
-    timer.lap("ingest")
+    version, seen_version = the_plan["versions"].get("windows"), the_plan["versions"].get("seen_ids")
+    partitions = batch_partitions(job.settings, planned_bytes // LANDING_BYTES_PER_ROW
+                                  + spark_io.table_rows(job.tables, job.name, "windows", version))
+    job.spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
+    seen = None if seen_version is None else spark_io.read_table(job.spark, job.tables, job.name, "seen_ids",
+                                                                 seen_version)
+    bad, accepted, counts, max_et, parsed = read_and_dedup(job, the_plan, processing_time, w_in, seen)
+    timer.lap("ingest", partitions=partitions)
     policy = job.spec.watermark_policy
     clock, max_et = clock_for(job, job.batch, processing_time, w_in, prev, max_et, the_plan, explicit_watermark,
                               delays(accepted) if policy.kind == "percentile" and explicit_watermark is None else None)
     timer.lap("watermark")
-    version = the_plan["versions"].get("windows")
     # read once: the state's due and reachable windows, and the rewrite's unchanged ones
     stored = None if version is None else spark_io.read_table(job.spark, job.tables, job.name, "windows", version)
-    stored = None if stored is None else stored.cache()
+    stored = None if stored is None else keep(job.spark, stored)
     state = stored_windows(job, stored, accepted, clock)
     if state is not None:
-        state = state.cache()
+        state = keep(job.spark, state)
     job.commits.plan_landed()
-    out = compute(job, clock, accepted, state)
+    out = compute(job, clock, accepted, state, partitions)
     timer.lap("windowing")
     if job.validate:
         validate_batch(job, clock, accepted, out)
         timer.lap("validation")
     job.commits.defer()
-    outputs = write_outputs(job, txn, clock, bad, accepted, out, the_plan["versions"], stored)
-    counts = {"files": len(the_plan["files"]), **counts, "late": 0, "panes": 0, "retractions": 0,
-              "state_rows_read": 0 if state is None else state.count(), **outputs}
+    outputs = write_outputs(job, txn, clock, bad, accepted, out, the_plan["versions"], stored, seen, partitions,
+                            w_in)
+    counts = {"files": len(the_plan["files"]), **counts, "late": 0, "panes": 0, "retractions": 0, **outputs}
     for frame in (parsed, stored, state, out, accepted):  # a warm server keeps cached frames until told
         if frame is not None:
             frame.unpersist()

@@ -58,16 +58,19 @@ def run_partition(spec_json: str, clock: BatchClock, value_type: str, pane_type:
         sink.add(rows)
     sink.finish()
     schema = key_output_schema(value_type, pane_type)
+    read = pa.table({"tbl": ["read"], "pane_index": pa.array([state.num_rows], pa.int64())})
     return pa.concat_tables([
+        _tagged("read", read, schema, {}),
         _tagged("panes", sink.panes, schema, {"value": "pane_value"}),
         _tagged("state", sink.state, schema, {}),
         _tagged("late", sink.late, schema, {"value": "late_value"}),
         _tagged("current", sink.current, schema, {"value": "pane_value"})])
 
 
-def per_key_step(spark, spec_json: str, clock: BatchClock, accepted, state, value_type: str, pane_type: str,
-                 discarding: bool, columnar: bool):
-    """A DataFrame of the tagged output rows of every key of the batch, computed on executors."""
+def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type: str, pane_type: str,
+                 discarding: bool, columnar: bool, partitions: int):
+    """A DataFrame of the tagged output rows of every key of the batch, computed on executors in
+    ``partitions`` tasks; a ``read`` row per task holds the number of stored windows it read (``pane_index``)."""
     from pyspark.sql import functions as F
 
     vtype = "bigint" if value_type == "int" else "double"
@@ -80,7 +83,6 @@ def per_key_step(spark, spec_json: str, clock: BatchClock, accepted, state, valu
             "key", F.lit(None).cast("string").alias("id"), F.lit(None).cast(vtype).alias("value"),
             F.lit(None).cast("bigint").alias("event_time"), F.lit(None).cast("bigint").alias("arrival_time"),
             "window_start", "window_end", "state"))
-    partitions = int(spark.conf.get("spark.sql.shuffle.partitions"))
     schema = key_output_schema(value_type, pane_type)
 
     def run(batches):
