@@ -117,7 +117,7 @@ def validate_batch(
     """Validate what one batch read, emitted and left as state; never raises on bad data.
 
     The frames are pandas DataFrames or Spark DataFrames (all of one kind, ``prior_panes`` too): Spark
-    ones are validated on Spark, cached while their suites run and unpersisted after.
+    ones are validated on Spark (panes and state cached while their suites run, unpersisted after).
     ``processing_time`` (default now) bounds plausible event times; ``window_type`` 'sliding' or
     'custom' turns off the session-overlap check (such windows overlap by design); ``render`` writes
     this run's Data Docs pages right away (incremental: the index is rebuilt by :func:`build_data_docs`,
@@ -168,8 +168,10 @@ def _engine(*frames: Any) -> str:
 
 
 def _prepare(engine: str, raw: Any, panes: Any, state: Any, prior: Any, window_type: str | None) -> dict[str, Any]:
-    """The frames with their ``chk_*`` columns, computed by the frames' own engine (Spark: cached, as every
-    suite runs several jobs over its frame)."""
+    """The frames with their ``chk_*`` columns, computed by the frames' own engine (Spark: panes and state
+    cached, as every suite runs several jobs over its frame and their checks are window functions; raw's
+    checks are projections of rows the engine has cached already: copying a million of them would cost more
+    than the few jobs that read them)."""
     if engine == PANDAS:
         return {qs.RAW: None if raw is None else qs.prepare_raw(raw),
                 qs.PANES: None if panes is None else qs.prepare_panes(panes, prior),
@@ -179,7 +181,7 @@ def _prepare(engine: str, raw: Any, panes: Any, state: Any, prior: Any, window_t
     frames = {qs.RAW: None if raw is None else sc.prepare_raw(raw),
               qs.PANES: None if panes is None else sc.prepare_panes(panes, prior),
               qs.STATE: None if state is None else sc.prepare_state(state, window_type)}
-    return {suite: None if df is None else df.cache() for suite, df in frames.items()}
+    return {suite: None if df is None else df if suite == qs.RAW else df.cache() for suite, df in frames.items()}
 
 
 def _run(settings: Settings, pipeline: str, batch: int, engine: str, frames: dict[str, Any],
