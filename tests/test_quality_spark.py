@@ -390,3 +390,35 @@ def test_spark_validation_brings_no_rows_to_the_driver(settings, spark, pipeline
 
 def only_examples(messages: list[str], check: str, count: str) -> bool:
     return any(check in m and count in m for m in messages)
+
+
+def test_examples_are_looked_for_only_when_counted(settings, spark, pipeline_name, monkeypatch) -> None:
+    """GX's Spark engine skips the example query of every expectation its count passed (no Spark job) and still
+    reports a failing one's examples, as the pandas engine does."""
+    from millpond.quality import validation
+
+    tallies: list[dict[str, int]] = []
+    original = validation.examples_after_counts
+
+    @contextlib.contextmanager
+    def tallied() -> Iterator[dict[str, int]]:
+        with original() as tally:
+            yield tally
+        tallies.append(tally)
+
+    monkeypatch.setattr(validation, "examples_after_counts", tallied)
+    # a Spark column has one type: event times all ISO strings here
+    raw = good_raw().assign(event_time=["2026-01-01T12:00:30Z", "2026-01-01T12:05:00Z", "2026-01-01T12:20:00Z",
+                                        "2026-01-01T12:59:00"])
+    good = validate_batch(settings, pipeline_name, 1, raw=sdf(spark, raw), panes=sdf(spark, good_panes()),
+                          state=sdf(spark, good_state()), prior_panes=sdf(spark, prior_panes()), processing_time=PT)
+    assert good.ok and not good.warnings and len(tallies) == 3
+    assert all(t["computed"] == 0 and t["skipped"] >= 7 for t in tallies), tallies
+    tallies.clear()
+    raw = raw.assign(id=["e1", "e2", "e3", "e1"])
+    ours = validate_batch(settings, pipeline_name, 2, raw=raw, panes=None, state=None, processing_time=PT)
+    theirs = validate_batch(settings, pipeline_name, 3, raw=sdf(spark, raw), panes=None, state=None,
+                            processing_time=PT)
+    assert tallies == [{"skipped": 6, "computed": 1}]  # 7 map expectations, unique(id) counted 2
+    assert theirs.warnings == ours.warnings and len(theirs.warnings) == 1
+    assert "2 of 4 rows unexpected, e.g. ['e1', 'e1']" in theirs.warnings[0], theirs.warnings

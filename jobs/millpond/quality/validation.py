@@ -10,7 +10,8 @@ Why this shape:
   Spark batch's rows never come to the driver (only aggregates and GX's few unexpected examples do).
   The ``chk_*`` helper columns are computed by the same engine (:mod:`millpond.quality.suites` with
   pandas, :mod:`millpond.quality.spark_checks` with Spark's functions; a test keeps them equal). Spark
-  pays a fixed cost per checkpoint (a few seconds: GX runs a Spark job per metric), pandas none.
+  pays a fixed cost per checkpoint (GX runs Spark jobs per metric graph level), pandas none; GX looks for
+  unexpected examples only when its count found some (:mod:`millpond.quality.gx_spark`), which halves it.
 - GX is not thread-safe, so one validation runs at a time per process; a file lock serialises
   the few writes (set-up, pruning, index builds) between processes sharing ``settings.home``.
 - Severity lives in each expectation's ``meta`` (and GX's own ``severity`` field): a critical
@@ -21,6 +22,7 @@ Why this shape:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -41,6 +43,7 @@ from millpond.quality.context import (
     validation_page_path,
     validation_result_path,
 )
+from millpond.quality.gx_spark import examples_after_counts
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +117,7 @@ def validate_batch(
     """Validate what one batch read, emitted and left as state; never raises on bad data.
 
     The frames are pandas DataFrames or Spark DataFrames (all of one kind, ``prior_panes`` too): Spark
-    ones are validated on Spark, cached while their suites run and unpersisted after.
+    ones are validated on Spark (panes and state cached while their suites run, unpersisted after).
     ``processing_time`` (default now) bounds plausible event times; ``window_type`` 'sliding' or
     'custom' turns off the session-overlap check (such windows overlap by design); ``render`` writes
     this run's Data Docs pages right away (incremental: the index is rebuilt by :func:`build_data_docs`,
@@ -165,8 +168,10 @@ def _engine(*frames: Any) -> str:
 
 
 def _prepare(engine: str, raw: Any, panes: Any, state: Any, prior: Any, window_type: str | None) -> dict[str, Any]:
-    """The frames with their ``chk_*`` columns, computed by the frames' own engine (Spark: cached, as every
-    suite runs several jobs over its frame)."""
+    """The frames with their ``chk_*`` columns, computed by the frames' own engine (Spark: panes and state
+    cached, as every suite runs several jobs over its frame and their checks are window functions; raw's
+    checks are projections of rows the engine has cached already: copying a million of them would cost more
+    than the few jobs that read them)."""
     if engine == PANDAS:
         return {qs.RAW: None if raw is None else qs.prepare_raw(raw),
                 qs.PANES: None if panes is None else qs.prepare_panes(panes, prior),
@@ -176,7 +181,7 @@ def _prepare(engine: str, raw: Any, panes: Any, state: Any, prior: Any, window_t
     frames = {qs.RAW: None if raw is None else sc.prepare_raw(raw),
               qs.PANES: None if panes is None else sc.prepare_panes(panes, prior),
               qs.STATE: None if state is None else sc.prepare_state(state, window_type)}
-    return {suite: None if df is None else df.cache() for suite, df in frames.items()}
+    return {suite: None if df is None else df if suite == qs.RAW else df.cache() for suite, df in frames.items()}
 
 
 def _run(settings: Settings, pipeline: str, batch: int, engine: str, frames: dict[str, Any],
@@ -192,8 +197,9 @@ def _run(settings: Settings, pipeline: str, batch: int, engine: str, frames: dic
         checkpoint = context.checkpoints.get(checkpoint_name(suite, engine))
         # run_time given: without it GX parses the run name as a date, and a pipeline named like
         # "t7203516975" overflows dateutil (or, worse, dates the run in year 7203516975).
-        result = checkpoint.run(batch_parameters={"dataframe": df}, expectation_parameters=params,
-                                run_id=RunIdentifier(run_name=f"{pipeline}-{batch}", run_time=datetime.now(UTC)))
+        with examples_after_counts() if engine == SPARK else contextlib.nullcontext():
+            result = checkpoint.run(batch_parameters={"dataframe": df}, expectation_parameters=params,
+                                    run_id=RunIdentifier(run_name=f"{pipeline}-{batch}", run_time=datetime.now(UTC)))
         for vrid, vr in result.run_results.items():
             identifiers.append(vrid)
             report.suites[suite] = bool(vr.success)
