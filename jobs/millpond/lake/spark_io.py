@@ -97,7 +97,9 @@ def _landing_rows(filesystem, bucket: str, key: str, arrival: int, rank: int, va
 
     schema = landing_schema(value_type)
     try:
-        with filesystem.open_input_stream(f"{bucket}/{key}", compression=None) as handle:
+        # a random-access file reads the object in one ranged GET; an input stream reads it in small pieces
+        # (36 MB: 0.1 s against 1.8 s here)
+        with filesystem.open_input_file(f"{bucket}/{key}") as handle:
             data = handle.read()
     except FileNotFoundError:  # deleted since it was planned: one quarantined row, as on the local engine
         good, bad = event_schema(value_type).empty_table(), [missing_file(key)]

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 
 def preload() -> None:
-    """What the engine's tasks import: the Arrow serializers, pyarrow's Parquet and filesystems, our executor code."""
+    """What the engine's tasks import: the Arrow serializers, pyarrow's Parquet, our executor code (which brings the
+    object store's filesystem: the lake layer owns that import)."""
     import pandas  # noqa: F401
     import pyarrow.compute  # noqa: F401
-    import pyarrow.fs  # noqa: F401
     import pyarrow.parquet  # noqa: F401
     import pyspark.sql.pandas.serializers  # noqa: F401
     import pyspark.worker  # noqa: F401

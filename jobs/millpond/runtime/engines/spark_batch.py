@@ -50,14 +50,18 @@ def _ts(column: str):
     return F.timestamp_micros(F.col(column)).alias(column)
 
 
-def keep(spark, df):
+def keep(spark, df, now: bool = False):
     """``df`` computed once for the batch's several uses. On a ``local`` master, a lazy local checkpoint: its
     later plans then start from the stored rows instead of repeating the whole lineage, which a Connect server
     would analyse and plan again for every action (seconds per small batch). On a cluster, a cache: a lost
-    executor's cached rows are recomputed from the lineage, a checkpoint's would fail the batch."""
+    executor's cached rows are recomputed from the lineage, a checkpoint's would fail the batch. ``now``:
+    computed here, in a job of its own (else by the first action that needs it)."""
     if _local_master(spark):
-        return df.localCheckpoint(eager=False)
-    return df.cache()
+        return df.localCheckpoint(eager=now)
+    kept = df.cache()
+    if now:
+        kept.count()
+    return kept
 
 
 _MASTERS: dict[int, bool] = {}
@@ -144,16 +148,18 @@ def stored_windows(job: BatchContext, stored, accepted, clock: BatchClock):
         "key", "window_start", "window_end", "state", "event_timer", "ptime_timer")
 
 
-def compute(job: BatchContext, clock: BatchClock, accepted, state, partitions: int):
-    """The per-key step on executors (``spark_keys.per_key_step``); the output rows of every table, tagged."""
+def compute(job: BatchContext, clock: BatchClock, accepted, state, partitions: int, now: bool = False):
+    """The per-key step on executors (``spark_keys.per_key_step``); the output rows of every table, tagged.
+    ``now``: run here (a validated batch: so that its validation phase holds validation, not the step); else
+    by the output's tally."""
     spec_json = json.dumps(job.spec.raw, sort_keys=True, default=str)
     return keep(job.spark, per_key_step(spec_json, clock, accepted, state, job.spec.value_type,
                                         job.spec.pane_value_type, job.spec.mode.value == "discarding",
-                                        job.settings.columnar_windows, partitions))
+                                        job.settings.columnar_windows, partitions), now=now)
 
 
-def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted, out, versions: dict[str, Any],
-                  stored, seen, partitions: int, w_in: int) -> dict[str, int]:
+def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted, out, panes,
+                  versions: dict[str, Any], stored, seen, partitions: int, w_in: int) -> dict[str, int]:
     """Every output table's files from the executors in one Spark job, each table one commit; counts for the
     marker. ``stored``: the ``windows`` table at ``versions["windows"]`` (None without one); ``seen``: the
     ``seen_ids`` table at ``versions["seen_ids"]`` (None without one)."""
@@ -174,7 +180,6 @@ def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted,
     state_changes = sum(r["n"] for r in groups if r["tbl"] == "state")
     state_read = sum(r["n"] for r in groups if r["tbl"] == "read")
     pane_type, value_type = job.spec.pane_value_type, job.spec.value_type
-    panes = panes_frame(out, clock)
     late = out.where("tbl = 'late'").select(
         "id", "key", F.col("late_value").alias("value"), _ts("event_time"), _ts("arrival_time"), "reason",
         F.lit(batch).alias("batch"))
@@ -217,7 +222,7 @@ def panes_frame(out, clock: BatchClock):
         F.row_number().over(Window.orderBy("key", "seq")).cast("long").alias("seq"))
 
 
-def validate_batch(job: BatchContext, clock: BatchClock, accepted, out) -> None:
+def validate_batch(job: BatchContext, clock: BatchClock, accepted, out, panes) -> None:
     """The quality suites on the batch's input, panes and live state, validated on Spark (Great Expectations'
     Spark engine on these DataFrames): only aggregates and a few unexpected examples reach the client."""
     from pyspark.sql import functions as F
@@ -228,7 +233,7 @@ def validate_batch(job: BatchContext, clock: BatchClock, accepted, out) -> None:
     state = out.where("tbl = 'state' AND NOT deleted").select(
         "key", _ts("window_start"), _ts("window_end"), "state", _ts("event_timer"), _ts("ptime_timer"),
         F.lit(clock.batch).alias("batch"))
-    validate_spark(job, clock, raw, panes_frame(out, clock), state)
+    validate_spark(job, clock, raw, panes, state)
 
 
 Write = tuple[str, Any, Callable[[list[dict]], Any]]
@@ -357,16 +362,20 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], planned
     if state is not None:
         state = keep(job.spark, state)
     job.commits.plan_landed()
-    out = compute(job, clock, accepted, state, partitions)
+    out = compute(job, clock, accepted, state, partitions, now=job.validate)
+    panes = panes_frame(out, clock)
+    if job.validate:  # validated and written: numbered once
+        panes = keep(job.spark, panes)
     timer.lap("windowing")
     if job.validate:
-        validate_batch(job, clock, accepted, out)
+        validate_batch(job, clock, accepted, out, panes)
         timer.lap("validation")
     job.commits.defer()
-    outputs = write_outputs(job, txn, clock, bad, accepted, out, the_plan["versions"], stored, seen, partitions,
-                            w_in)
+    outputs = write_outputs(job, txn, clock, bad, accepted, out, panes, the_plan["versions"], stored, seen,
+                            partitions, w_in)
     counts = {"files": len(the_plan["files"]), **counts, "late": 0, "panes": 0, "retractions": 0, **outputs}
-    for frame in (parsed, stored, state, out, accepted):  # a warm server keeps cached frames until told
+    # a warm server keeps cached frames until told
+    for frame in (parsed, stored, state, out, accepted, panes if job.validate else None):
         if frame is not None:
             frame.unpersist()
     return counts, clock, max_et

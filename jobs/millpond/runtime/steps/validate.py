@@ -59,27 +59,23 @@ def validate_spark(job: BatchContext, clock: BatchClock, raw, panes, state) -> N
     """The same suites on the Spark engine's DataFrames, validated on Spark (no rows come to this process).
 
     ``raw``, ``panes`` and ``state`` are shaped like :func:`validate`'s frames (times as timestamps, live
-    windows only). Earlier panes are read on executors (``lake.spark_io``), as on the local engine only
-    when the batch retracts, from the earliest window it retracts on; the check keeps the retracted
-    windows' rows of them."""
+    windows only); ``panes`` is kept by the caller, which writes the same rows. Earlier panes are read on
+    executors (``lake.spark_io``), as on the local engine only when the batch retracts, from the earliest
+    window it retracts on; the check keeps the retracted windows' rows of them."""
     from pyspark.sql import functions as F
 
     from millpond.lake import spark_io
     from millpond.quality.validation import validate_batch
 
-    panes = panes.cache()  # also read for the retraction bound below
-    try:
-        lo = panes.where(F.col("kind") == "retraction").agg(F.unix_micros(F.min("window_start"))).collect()[0][0]
-        prior = None
-        if lo is not None:
-            stored = spark_io.read_table(job.spark, job.tables, job.name, "panes")
-            prior = panes.limit(0) if stored is None else stored.where(
-                F.col("window_start") >= F.timestamp_micros(F.lit(lo)))
-        report = validate_batch(job.settings, job.name, clock.batch, raw=raw, panes=panes, state=state,
-                                prior_panes=prior, processing_time=to_datetime(clock.processing_time),
-                                window_type=job.spec.window.get("type"), render=job.render_docs)
-    finally:
-        panes.unpersist()
+    lo = panes.where(F.col("kind") == "retraction").agg(F.unix_micros(F.min("window_start"))).collect()[0][0]
+    prior = None
+    if lo is not None:
+        stored = spark_io.read_table(job.spark, job.tables, job.name, "panes")
+        prior = panes.limit(0) if stored is None else stored.where(
+            F.col("window_start") >= F.timestamp_micros(F.lit(lo)))
+    report = validate_batch(job.settings, job.name, clock.batch, raw=raw, panes=panes, state=state,
+                            prior_panes=prior, processing_time=to_datetime(clock.processing_time),
+                            window_type=job.spec.window.get("type"), render=job.render_docs)
     _judge(job, clock.batch, report)
 
 
