@@ -64,22 +64,31 @@ def test_injector_watermark_held_by_unfinished_file(settings, tables, pipeline_n
     assert second.counts["accepted"] == 1 and second.counts["late"] == 0
 
 
-def test_dedup_state_is_bounded_and_old_redelivery_is_counted_late(settings, tables, pipeline_name,
-                                                                    monkeypatch) -> None:
-    spec = pipeline_from_dict({"name": pipeline_name, "window": {"type": "fixed", "size": "1m"},
+def _dedup_spec(pipeline_name: str):
+    return pipeline_from_dict({"name": pipeline_name, "window": {"type": "fixed", "size": "1m"},
                                "source": {"prefix": f"{pipeline_name}/"}, "allowed_lateness": "1m",
                                "watermark": {"policy": "processing_time", "lag": "0s"}})
+
+
+def _land_dedup_batch(store: ObjectStore, bucket: str, pipeline_name: str, b: int, batches: int) -> None:
+    """Batch ``b``'s file (one element, e``b``); the last batch also gets e(b-2) again, still remembered."""
+    store.put_bytes(bucket, f"{pipeline_name}/{arrival_tag(us(b))}-{b}.jsonl", event(b, b + 0.5, b + 0.6).encode())
+    if b == batches - 1:
+        store.put_bytes(bucket, f"{pipeline_name}/{arrival_tag(us(b))}-again.jsonl",
+                        event(b - 2, b - 1.5, b + 0.7).encode())
+
+
+def test_dedup_state_is_bounded_and_old_redelivery_is_counted_late(settings, tables, pipeline_name,
+                                                                    monkeypatch) -> None:
+    spec = _dedup_spec(pipeline_name)
     store = ObjectStore(settings)
     # Ids expire when seen_ids is compacted: by the commit of the first batch that finds it with more than
     # SEEN_FOLD_OVER_FILES files (one per batch).
     batches = SEEN_FOLD_OVER_FILES + 2
     reads: list[str] = []  # the last batch's reads of seen_ids
     for b in range(batches):
-        store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{arrival_tag(us(b))}-{b}.jsonl",
-                        event(b, b + 0.5, b + 0.6).encode())
-        if b == batches - 1:  # e(b-2) delivered again, still remembered
-            store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{arrival_tag(us(b))}-again.jsonl",
-                            event(b - 2, b - 1.5, b + 0.7).encode())
+        _land_dedup_batch(store, settings.bucket_landing, pipeline_name, b, batches)
+        if b == batches - 1:
             for method in ("read_arrow", "select"):
                 real = getattr(Tables, method)
                 monkeypatch.setattr(Tables, method, lambda self, p, n, *a, _real=real, **k: (
@@ -115,18 +124,12 @@ def test_dedup_state_is_bounded_and_old_redelivery_is_counted_late(settings, tab
 def test_dedup_state_is_bounded_on_the_spark_engine(settings, spark, tables, pipeline_name) -> None:
     """The Spark engine folds seen_ids as the local engine does: ids expire behind the watermark, so the table
     every batch's dedup reads stays bounded over months of batches."""
-    spec = pipeline_from_dict({"name": pipeline_name, "window": {"type": "fixed", "size": "1m"},
-                               "source": {"prefix": f"{pipeline_name}/"}, "allowed_lateness": "1m",
-                               "watermark": {"policy": "processing_time", "lag": "0s"}})
+    spec = _dedup_spec(pipeline_name)
     on_spark = settings.with_overrides(engine="spark", engine_local_below=0)
     store = ObjectStore(settings)
     batches = SEEN_FOLD_OVER_FILES + 2
     for b in range(batches):
-        store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{arrival_tag(us(b))}-{b}.jsonl",
-                        event(b, b + 0.5, b + 0.6).encode())
-        if b == batches - 1:  # e(b-2) delivered again, still remembered
-            store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{arrival_tag(us(b))}-again.jsonl",
-                            event(b - 2, b - 1.5, b + 0.7).encode())
+        _land_dedup_batch(store, settings.bucket_landing, pipeline_name, b, batches)
         last = run_batch(on_spark, spec, T0 + timedelta(minutes=b + 1), spark=spark)
         assert "dedup" not in last.phases  # the batch ran on the Spark engine
     assert last.counts["duplicates"] == 1 and last.counts["accepted"] == 1
