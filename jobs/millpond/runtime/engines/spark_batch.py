@@ -329,13 +329,13 @@ def run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], planned_
     shuffles. A Connect server that stops answering meanwhile fails the batch within ``spark.timeout``."""
     conf = job.spark.conf
     width = conf.get("spark.sql.shuffle.partitions")  # the session's, put back after (a shared session's peers)
-    try:
-        with watched(job.spark, job.settings.spark_connect_url, job.settings.spark_timeout_s):
-            return _run_on_spark(job, txn, the_plan, planned_bytes, prev, w_in, processing_time, explicit_watermark,
-                                 timer)
-    finally:
-        if not getattr(job.spark, "is_stopped", False):  # a Connect session the watchdog closed takes no calls
-            conf.set("spark.sql.shuffle.partitions", width)
+    with watched(job.spark, job.settings.spark_connect_url, job.settings.spark_timeout_s):
+        result = _run_on_spark(job, txn, the_plan, planned_bytes, prev, w_in, processing_time, explicit_watermark,
+                               timer)
+    # only after a batch that ran: a failed one's error stands (a frozen server's session takes no more calls),
+    # and the next batch sets its own width anyway
+    conf.set("spark.sql.shuffle.partitions", width)
+    return result
 
 
 def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], planned_bytes: int,
