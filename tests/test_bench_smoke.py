@@ -7,7 +7,10 @@ No Beam and no Structured Streaming here (their own costs dwarf the workload); t
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import psutil
 import pytest
@@ -59,9 +62,10 @@ def test_bench_smoke(settings, spark, tmp_path) -> None:
 def test_bench_spark_engine_smoke(settings, tmp_path) -> None:
     """The Spark-engine measures on 2k events: a Connect server the bench starts and stops, batches and the
     bare-Spark peer in Connect clients of their own (no classic session in this process's way)."""
-    plan = replace(SMOKE, spark_engine_events=2_000, spark_tiny_runs=2)
+    plan = replace(SMOKE, spark_engine_events=2_000, spark_tiny_runs=2, spark_validation_events=2_000)
     doc = run_bench(settings, plan, None, tmp_path, log=lambda m: None,
-                    steps=["measure_spark_engine_sessions", "measure_spark_engine_tiny"])
+                    steps=["measure_spark_engine_sessions", "measure_spark_engine_tiny",
+                           "measure_spark_engine_validation"])
     records = {r["measure"]: r for r in doc["records"]}
     engine = records["sessions_1m_spark_engine_vs_bare_spark"]
     assert engine["ours"] > 0 and engine["peer"] > 0 and engine["target"] and "not 1M" in engine["notes"]
@@ -70,6 +74,21 @@ def test_bench_spark_engine_smoke(settings, tmp_path) -> None:
     assert 0 < records["driver_rss_1m"]["ours"] < 1.5  # the client's own RSS, not the server JVM's
     tiny = records["tiny_batch_spark_engine_s"]
     assert 0 < tiny["in_process_s"] < tiny["ours"] and tiny["connect_s"] > 0 and "commit" in tiny["phases"]
+    share = records["validation_share_1m_spark"]  # the client imported what a DAG task inherits, then validated
+    assert 0 < share["ours"] < 1 and share["preload_s"] > 0 and share["validation_seconds"] > 0
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if "SparkConnectServer" in " ".join(p.info["cmdline"] or []) and str(tmp_path) in
                 " ".join(p.info["cmdline"] or [])]  # the bench stopped its server
+
+
+def test_client_reports_its_own_peak_rss() -> None:
+    """A process spawned by a parent holding 1 GB: ``ru_maxrss`` reports the parent's peak (Linux carries it
+    into the child), ``bench.connect_client.peak_rss_bytes`` the child's own."""
+    root = str(Path(__file__).resolve().parents[1])
+    child = (f"import resource, sys; sys.path.insert(0, {root!r}); from bench.connect_client import peak_rss_bytes; "
+             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, peak_rss_bytes())")
+    spawn = f"subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True, check=True).stdout"
+    parent = f"import subprocess, sys; big = bytearray(1 << 30); big[::4096] = b'\\x01' * (1 << 18); print({spawn})"
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, check=True).stdout.split()
+    inherited, own = int(out[0]), int(out[1])
+    assert inherited > 0.9 * (1 << 30) and own < 0.2 * (1 << 30), (inherited, own)

@@ -33,6 +33,7 @@ from millpond.runtime.engines.spark_keys import per_key_step
 from millpond.runtime.spark_watchdog import watched
 from millpond.runtime.steps.dedup import seen_keep_from
 from millpond.runtime.steps.read import held_rows
+from millpond.runtime.steps.validate import first_retracted
 
 if TYPE_CHECKING:
     from millpond.runtime.context import BatchContext
@@ -209,20 +210,24 @@ def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted,
             "retractions": tally.get("panes:retraction", 0), "state_rows_read": state_read}
 
 
-def panes_frame(out, clock: BatchClock):
-    """The ``panes`` rows, numbered batch-wide by key then emission order (the local engine's ``seq``)."""
+def panes_frame(out, clock: BatchClock, partitions: int = 1):
+    """The ``panes`` rows, numbered batch-wide by key then emission order (the local engine's ``seq``).
+    The numbering sees every row in one task; ``partitions`` > 1 spreads the numbered rows by key again, so
+    that their checks and writes run in that many tasks (one task's rows satisfy any window's grouping, so
+    Spark would otherwise keep them in the one)."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    return out.where("tbl = 'panes'").select(
+    numbered = out.where("tbl = 'panes'").select(
         "key", _ts("window_start"), _ts("window_end"), F.col("pane_value").alias("value"), "pane_index", "timing",
         "is_last", "kind", F.lit(clock.batch).alias("batch"),
         F.timestamp_micros(F.lit(clock.processing_time)).alias("processing_time"),
         F.timestamp_micros(F.lit(clock.watermark)).alias("watermark"),
         F.row_number().over(Window.orderBy("key", "seq")).cast("long").alias("seq"))
+    return numbered.repartition(partitions, "key") if partitions > 1 else numbered
 
 
-def validate_batch(job: BatchContext, clock: BatchClock, accepted, out, panes) -> None:
+def validate_batch(job: BatchContext, clock: BatchClock, accepted, out, panes, lo: int | None) -> None:
     """The quality suites on the batch's input, panes and live state, validated on Spark (Great Expectations'
     Spark engine on these DataFrames): only aggregates and a few unexpected examples reach the client."""
     from pyspark.sql import functions as F
@@ -233,7 +238,7 @@ def validate_batch(job: BatchContext, clock: BatchClock, accepted, out, panes) -
     state = out.where("tbl = 'state' AND NOT deleted").select(
         "key", _ts("window_start"), _ts("window_end"), "state", _ts("event_timer"), _ts("ptime_timer"),
         F.lit(clock.batch).alias("batch"))
-    validate_spark(job, clock, raw, panes, state)
+    validate_spark(job, clock, raw, panes, state, lo)
 
 
 Write = tuple[str, Any, Callable[[list[dict]], Any]]
@@ -363,12 +368,13 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], planned
         state = keep(job.spark, state)
     job.commits.plan_landed()
     out = compute(job, clock, accepted, state, partitions, now=job.validate)
-    panes = panes_frame(out, clock)
-    if job.validate:  # validated and written: numbered once
+    panes = panes_frame(out, clock, partitions)
+    if job.validate:  # validated and written: numbered once, here (the validation phase holds validation only)
         panes = keep(job.spark, panes)
+        lo = first_retracted(panes)  # the job that computes the kept panes
     timer.lap("windowing")
     if job.validate:
-        validate_batch(job, clock, accepted, out, panes)
+        validate_batch(job, clock, accepted, out, panes, lo)
         timer.lap("validation")
     job.commits.defer()
     outputs = write_outputs(job, txn, clock, bad, accepted, out, panes, the_plan["versions"], stored, seen,

@@ -55,19 +55,27 @@ def validate(job: BatchContext, batch: int, clock: BatchClock, accepted: pa.Tabl
     _judge(job, batch, report)
 
 
-def validate_spark(job: BatchContext, clock: BatchClock, raw, panes, state) -> None:
+def first_retracted(panes) -> int | None:
+    """The earliest ``window_start`` (us) among the batch's retractions (Spark panes), None without any: where
+    :func:`validate_spark` starts reading earlier panes. One job, which also computes a lazily kept ``panes``."""
+    from pyspark.sql import functions as F
+
+    return panes.where(F.col("kind") == "retraction").agg(F.unix_micros(F.min("window_start"))).collect()[0][0]
+
+
+def validate_spark(job: BatchContext, clock: BatchClock, raw, panes, state, lo: int | None) -> None:
     """The same suites on the Spark engine's DataFrames, validated on Spark (no rows come to this process).
 
     ``raw``, ``panes`` and ``state`` are shaped like :func:`validate`'s frames (times as timestamps, live
     windows only); ``panes`` is kept by the caller, which writes the same rows. Earlier panes are read on
-    executors (``lake.spark_io``), as on the local engine only when the batch retracts, from the earliest
-    window it retracts on; the check keeps the retracted windows' rows of them."""
+    executors (``lake.spark_io``), as on the local engine only when the batch retracts (``lo``: its
+    :func:`first_retracted`), from the earliest window it retracts on; the check keeps the retracted windows'
+    rows of them."""
     from pyspark.sql import functions as F
 
     from millpond.lake import spark_io
     from millpond.quality.validation import validate_batch
 
-    lo = panes.where(F.col("kind") == "retraction").agg(F.unix_micros(F.min("window_start"))).collect()[0][0]
     prior = None
     if lo is not None:
         stored = spark_io.read_table(job.spark, job.tables, job.name, "panes")
