@@ -150,24 +150,33 @@ class SparkEngineMeasures:
         url = self.connect_url()
         wl = self.workload(n, self.plan.keys(n))
         self.log(f"Spark engine: one batch of {wl.input_events} events, {wl.spec.keys} keys, sessions (Connect client)")
-        ours = self.spark_engine_batch("sessions", wl)
-        self.log(f"  ours {ours['seconds']}s {ours['phases']}; client peak RSS {ours['peak_rss_gib']} GiB")
+        # each side twice, ours around the peer's two runs, the faster run of each side counted (a load that
+        # comes and goes then hits both sides alike)
+        first = self.spark_engine_batch("sessions", wl)
+        self.log(f"  ours {first['seconds']}s {first['phases']}; client peak RSS {first['peak_rss_gib']} GiB")
         bare = self.bare_on_connect("sessions", wl, runs=2)
         bare_s = min(r["seconds"] for r in bare["runs"])
         self.log(f"  bare Spark on the same server {[r['seconds'] for r in bare['runs']]}s; "
                  f"client peak RSS {bare['peak_rss_gib']} GiB")
-        out: dict[str, Any] = {"url": url, "events": wl.input_events, "ours": ours, "bare_spark": bare}
+        second = self.spark_engine_batch("sessions", wl)
+        self.log(f"  ours again {second['seconds']}s {second['phases']}; client peak RSS {second['peak_rss_gib']} GiB")
+        ours = min(first, second, key=lambda r: r["seconds"])
+        ours_runs = [first["seconds"], second["seconds"]]
+        peak_rss = max(first["peak_rss_gib"], second["peak_rss_gib"])
+        out: dict[str, Any] = {"url": url, "events": wl.input_events, "ours": ours, "ours_other_run": (
+            second if ours is first else first), "bare_spark": bare}
         note = "" if n == 1_000_000 else f" ({wl.input_events} events: this plan's size, not 1M)"
         self._spark_record(
             "sessions_1m_spark_engine_vs_bare_spark", ours["seconds"], bare_s,
             "bare Spark dropDuplicates + groupBy(key, session_window) + sum over the same landing files (pyarrow "
             "read, createDataFrame, toArrow) in a Connect client of the same server", "s", True,
             events=wl.input_events, keys=wl.spec.keys, phases=ours["phases"], counts=ours["batches"][0]["counts"],
-            peer_runs_seconds=[r["seconds"] for r in bare["runs"]],
-            notes="ours: run_batch in a fresh Connect client (connect excluded, "
-                  f"{ours['connect_s']}s); peer: the faster of two runs in one client" + note)
+            ours_runs_seconds=ours_runs, peer_runs_seconds=[r["seconds"] for r in bare["runs"]],
+            notes="ours: run_batch of a fresh pipeline in a fresh Connect client (connect excluded, "
+                  f"{ours['connect_s']}s), the faster of two runs, one before and one after the peer's; "
+                  "peer: the faster of two runs in one client" + note)
         self._spark_record(
-            "driver_rss_1m", ours["peak_rss_gib"], bare["peak_rss_gib"],
+            "driver_rss_1m", peak_rss, bare["peak_rss_gib"],
             "the bare-Spark peer's client process (it holds the events as Arrow)", "GiB", True,
             events=wl.input_events,
             notes="peak RSS (kernel high-water mark) of the Connect client process that ran the batch, "
@@ -180,7 +189,7 @@ class SparkEngineMeasures:
             self.log(f"  ours {res['seconds']}s {res['phases']}; client peak RSS {res['peak_rss_gib']} GiB")
             out["ours_big"] = res
             self._spark_record(
-                "driver_rss_10m_vs_1m", res["peak_rss_gib"], ours["peak_rss_gib"],
+                "driver_rss_10m_vs_1m", res["peak_rss_gib"], peak_rss,
                 f"the same client's peak at {wl.input_events} events", "GiB", True,
                 events=wl10.input_events, seconds=res["seconds"], phases=res["phases"],
                 notes=f"peak RSS of the Connect client at {wl10.input_events} vs {wl.input_events} events; "
