@@ -37,7 +37,7 @@ from millpond.config import Settings
 from millpond.lake.snapshot_files import Storage, data_files, read_file, table_schema
 
 #: the rows a write returns: the table it wrote and one file's add action (JSON)
-WRITTEN = "tbl string, action string"
+WRITTEN = pa.schema([("tbl", pa.string()), ("action", pa.string())])
 
 
 def landing_schema(value_type: str) -> pa.Schema:
@@ -57,11 +57,11 @@ def _spark_schema(schema: pa.Schema):
     return from_arrow_schema(schema, prefer_timestamp_ntz=False)
 
 
-def _per_item(spark, items: list[Any], task) -> Any:
-    """One Spark partition per item (``spark.range``: no shuffle, no rows from the client); ``task`` gets the
-    items and the record batches of its partition's indexes."""
-    n = len(items)
-    return spark.range(0, max(n, 1), 1, max(n, 1)), functools.partial(task, items)
+def _per_item(spark, items: list[Any], task, tasks: int | None = None) -> Any:
+    """One Spark partition per item, or ``tasks`` partitions of consecutive items (``spark.range``: no shuffle,
+    no rows from the client); ``task`` gets the items and the record batches of its partition's indexes."""
+    n = max(len(items), 1)
+    return spark.range(0, n, 1, min(n, tasks or n)), functools.partial(task, items)
 
 
 def _indexes(batches: Iterable[pa.RecordBatch]) -> Iterator[int]:
@@ -70,10 +70,13 @@ def _indexes(batches: Iterable[pa.RecordBatch]) -> Iterator[int]:
 
 
 # landing ------------------------------------------------------------------------------------------------------
-def read_landing(spark, settings: Settings, files: list[tuple[str, int]], value_type: str, processing_time: int):
-    """The planned files' rows as a DataFrame of ``landing_schema``, read and parsed on executors."""
+def read_landing(spark, settings: Settings, files: list[tuple[str, int]], value_type: str, processing_time: int,
+                 tasks: int | None = None):
+    """The planned files' rows as a DataFrame of ``landing_schema``, read and parsed on executors; ``tasks``:
+    at most this many read tasks (a task per file by default: a small batch's few files need not cost a task
+    each, a Python worker's round trip)."""
     rank = {key: i for i, key in enumerate(sorted(key for key, _ in files))}
-    ids, task = _per_item(spark, [(key, arrival, rank[key]) for key, arrival in files], _landing_task)
+    ids, task = _per_item(spark, [(key, arrival, rank[key]) for key, arrival in files], _landing_task, tasks)
     task = functools.partial(task, Storage.of(settings), settings.bucket_landing, value_type, processing_time)
     return ids.mapInArrow(task, _spark_schema(landing_schema(value_type)))
 
@@ -121,16 +124,17 @@ def _landing_rows(filesystem, bucket: str, key: str, arrival: int, rank: int, va
 
 # Delta snapshots ----------------------------------------------------------------------------------------------
 def read_table(spark, tables, pipeline: str, name: str, version: int | None = None, *,
-               only: list[tuple[str, dict[str, Any]]] | None = None):
+               only: list[tuple[str, dict[str, Any]]] | None = None, tasks: int | None = None):
     """``pipeline.name`` at ``version`` (latest if None) as a DataFrame, its data files listed here with
-    delta-rs and read on executors; ``only``: just these of its files (as ``snapshot_files.data_files``
-    lists them), e.g. the partitions a rewrite replaces. None if the table does not exist."""
+    delta-rs and read on executors (a task per file, or at most ``tasks``); ``only``: just these of its files
+    (as ``snapshot_files.data_files`` lists them), e.g. the partitions a rewrite replaces. None if the table
+    does not exist."""
     dt = tables.open(pipeline, name, version)
     if dt is None:
         return None
     files = data_files(dt) if only is None else only
     schema = table_schema(dt)
-    ids, task = _per_item(spark, files, _table_task)
+    ids, task = _per_item(spark, files, _table_task, tasks)
     return ids.mapInArrow(functools.partial(task, Storage.of(tables.settings), schema), _spark_schema(schema))
 
 
@@ -165,10 +169,10 @@ def _table_task(files: list[tuple[str, dict[str, Any]]], storage: Storage, schem
 
 # data files out -----------------------------------------------------------------------------------------------
 def write_files(df, settings: Settings, table: str, table_uri: str, partition_by: list[str] | None = None):
-    """A lazy DataFrame (``WRITTEN``) that writes ``df`` as data files of the table at ``table_uri`` from the
+    """A lazy DataFrame (of ``WRITTEN``) that writes ``df`` as data files of the table at ``table_uri`` from the
     executors, one row per file written; run it with ``collect_writes``."""
     task = functools.partial(_write_task, Storage.of(settings), table, table_uri, list(partition_by or []))
-    return df.mapInArrow(task, WRITTEN)
+    return df.mapInArrow(task, _spark_schema(WRITTEN))  # a struct, not DDL text: no parse on the server
 
 
 def collect_writes(writes: list[Any]) -> dict[str, list[dict[str, Any]]]:
@@ -197,9 +201,12 @@ def _write_task(storage: Storage, table_name: str, table_uri: str, partition_by:
         folder = "/".join(f"{k}={v}" for k, v in values.items())
         rel = f"{folder + '/' if folder else ''}part-{uuid.uuid4().hex}.parquet"
         data = part.drop_columns(partition_by) if partition_by else part
+        buffer = pa.BufferOutputStream()  # written whole, then one PUT; its size is known without asking
+        pq.write_table(data, buffer)
+        body = buffer.getvalue()
         with filesystem.open_output_stream(f"{root}/{rel}") as out:
-            pq.write_table(data, out)
-        size = filesystem.get_file_info(f"{root}/{rel}").size
+            out.write(body)
+        size = body.size
         actions.append(json.dumps({"path": rel, "size": size, "partition_values": values,
                                    "modification_time": int(time.time() * 1000), "stats": _stats(data)}))
     yield pa.RecordBatch.from_arrays([pa.array([table_name] * len(actions), pa.string()),

@@ -82,18 +82,21 @@ def batch_partitions(settings: Settings, rows: int) -> int:
     return max(1, min(settings.spark_shuffle_partitions, -(-rows // ROWS_PER_TASK)))
 
 
-def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time: int, w_in: int, seen):
+def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time: int, w_in: int, seen,
+                   partitions: int):
     """(the quarantined rows, the accepted elements, counts, max event time, the cached parsed rows): parsed on
-    executors, first of each id by (arrival, file, line), ids seen by earlier batches (``seen``, the
-    ``seen_ids`` snapshot, or None) dropped when their event time is within the batch's range, as on the
-    local engine. One Spark job; only counts come back."""
+    executors (in at most ``partitions`` tasks), first of each id by (arrival, file, line), ids seen by earlier
+    batches (``seen``, the ``seen_ids`` snapshot, or None) dropped when their event time is within the batch's
+    range, as on the local engine. Only counts come back."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     spark = job.spark
     rows = spark_io.read_landing(spark, job.settings, list(zip(the_plan["files"], the_plan["arrivals"], strict=True)),
-                                 job.spec.value_type, processing_time)
-    rows = keep(spark, rows)
+                                 job.spec.value_type, processing_time, tasks=partitions)
+    # cached, not checkpointed: its plan is a read of the files, cheap to analyse again, and a cache is filled
+    # by the first job that reads it (a lazy checkpoint read the files once more in a job of its own)
+    rows = rows.cache()
     bad = rows.where(F.col("reason").isNotNull())
     good = rows.where(F.col("reason").isNull())
     first = Window.partitionBy("id").orderBy("arrival_time", "file_rank", "pos")
@@ -160,10 +163,12 @@ def compute(job: BatchContext, clock: BatchClock, accepted, state, partitions: i
 
 
 def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted, out, panes,
-                  versions: dict[str, Any], stored, seen, partitions: int, w_in: int) -> dict[str, int]:
+                  versions: dict[str, Any], stored, seen, partitions: int, w_in: int, quarantined: int
+                  ) -> dict[str, int]:
     """Every output table's files from the executors in one Spark job, each table one commit; counts for the
     marker. ``stored``: the ``windows`` table at ``versions["windows"]`` (None without one); ``seen``: the
-    ``seen_ids`` table at ``versions["seen_ids"]`` (None without one)."""
+    ``seen_ids`` table at ``versions["seen_ids"]`` (None without one); ``quarantined``: ``bad``'s rows (none:
+    no quarantine write, whose tasks would only scan the landing rows for nothing)."""
     from pyspark.sql import functions as F
 
     batch = clock.batch
@@ -184,13 +189,14 @@ def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted,
     late = out.where("tbl = 'late'").select(
         "id", "key", F.col("late_value").alias("value"), _ts("event_time"), _ts("arrival_time"), "reason",
         F.lit(batch).alias("batch"))
-    quarantine = bad.select("source_file", "line", "raw", "reason", F.lit(batch).alias("batch"))
+    # at most ``partitions`` tasks (files) per table: ``bad`` has one partition per landing file
+    quarantine = bad.select("source_file", "line", "raw", "reason", F.lit(batch).alias("batch")).coalesce(partitions)
     own = accepted.select("id", _ts("event_time"), F.lit(batch).alias("batch"))
     appends = [("late", late, late_schema(value_type)), ("panes", panes, pane_schema(pane_type)),
                ("quarantine", quarantine, QUARANTINE_SCHEMA)]
     writes: list[tuple[str, Any, Callable[[list[dict]], Any]]] = []
     for table, df, schema in appends:
-        if tally.get(f"{table}:", 0) or table == "quarantine" or tally.get(f"{table}:value") \
+        if tally.get(f"{table}:", 0) or (table == "quarantine" and quarantined) or tally.get(f"{table}:value") \
                 or tally.get(f"{table}:retraction"):
             writes.append(_append(job, txn, table, df, schema))
     keep_from = seen_keep_from(job, w_in, versions.get("seen_ids"))
@@ -201,7 +207,7 @@ def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted,
     if state_changes:
         writes.append(_rewrite_windows(job, txn, clock, out, versions.get("windows"), stored, partitions))
     if touched:
-        writes.append(_rewrite_current(job, txn, clock, out, touched))
+        writes.append(_rewrite_current(job, txn, clock, out, touched, partitions))
     # the Spark job runs now, on this thread; the Delta commits wait with the batch's others, in this order
     written = spark_io.collect_writes([w for _t, w, _c in writes])
     for table, _w, commit in writes:
@@ -294,9 +300,12 @@ def _rewrite_windows(job: BatchContext, txn: Txn, clock: BatchClock, out, versio
         stats_columns=["key", "window_start", "window_end", "event_timer", "ptime_timer"])
 
 
-def _rewrite_current(job: BatchContext, txn: Txn, clock: BatchClock, out, parts: set[tuple[str, str]]) -> Write:
+def _rewrite_current(job: BatchContext, txn: Txn, clock: BatchClock, out, parts: set[tuple[str, str]],
+                     partitions: int) -> Write:
     """The current view copy-on-write over the (day, hour) partitions of ``window_end`` the batch touches
-    (``parts``: ISO day, hour)."""
+    (``parts``: ISO day, hour), each rewritten as one file: the rows are spread by partition over ``partitions``
+    tasks (read file by file, the old rows would otherwise keep one task, and so one new file, per old file,
+    and a partition touched by every batch would gain a file per batch)."""
     from pyspark.sql import functions as F
 
     rows = out.where("tbl = 'current'")
@@ -316,11 +325,13 @@ def _rewrite_current(job: BatchContext, txn: Txn, clock: BatchClock, out, parts:
     if removes:  # only the touched partitions' files are read
         files = [(uri, pv) for uri, pv in spark_io.table_files(job.tables, job.name, "current", dt.version())
                  if (str(pv.get("window_end_day")), str(pv.get("window_end_hour"))) in parts]
-        old = spark_io.read_table(job.spark, job.tables, job.name, "current", dt.version(), only=files)
+        old = spark_io.read_table(job.spark, job.tables, job.name, "current", dt.version(), only=files,
+                                  tasks=partitions)
         keep = old.join(current.select(*on), on, "left_anti").unionByName(keep)
     schema = current_schema(pane_type).append(pa.field("window_end_day", pa.date32())).append(
         pa.field("window_end_hour", pa.int32()))
-    write = spark_io.write_files(keep.withColumn("deleted", F.lit(False)), job.settings, "current",
+    rows = keep.withColumn("deleted", F.lit(False)).repartition(partitions, *CURRENT_PARTITIONS)
+    write = spark_io.write_files(rows, job.settings, "current",
                                  job.settings.table_uri(job.name, "current"), partition_by=list(CURRENT_PARTITIONS))
     return "current", write, lambda files: commit_files(job.tables, job.name, "current", files, schema, txn,
                                                         partition_by=CURRENT_PARTITIONS, removes=removes)
@@ -353,15 +364,16 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], planned
                                   + spark_io.table_rows(job.tables, job.name, "windows", version))
     job.spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
     seen = None if seen_version is None else spark_io.read_table(job.spark, job.tables, job.name, "seen_ids",
-                                                                 seen_version)
-    bad, accepted, counts, max_et, parsed = read_and_dedup(job, the_plan, processing_time, w_in, seen)
+                                                                 seen_version, tasks=partitions)
+    bad, accepted, counts, max_et, parsed = read_and_dedup(job, the_plan, processing_time, w_in, seen, partitions)
     timer.lap("ingest", partitions=partitions)
     policy = job.spec.watermark_policy
     clock, max_et = clock_for(job, job.batch, processing_time, w_in, prev, max_et, the_plan, explicit_watermark,
                               delays(accepted) if policy.kind == "percentile" and explicit_watermark is None else None)
     timer.lap("watermark")
     # read once: the state's due and reachable windows, and the rewrite's unchanged ones
-    stored = None if version is None else spark_io.read_table(job.spark, job.tables, job.name, "windows", version)
+    stored = None if version is None else spark_io.read_table(job.spark, job.tables, job.name, "windows", version,
+                                                              tasks=partitions)
     stored = None if stored is None else keep(job.spark, stored)
     state = stored_windows(job, stored, accepted, clock)
     if state is not None:
@@ -378,7 +390,7 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], planned
         timer.lap("validation")
     job.commits.defer()
     outputs = write_outputs(job, txn, clock, bad, accepted, out, panes, the_plan["versions"], stored, seen,
-                            partitions, w_in)
+                            partitions, w_in, counts["quarantined"])
     counts = {"files": len(the_plan["files"]), **counts, "late": 0, "panes": 0, "retractions": 0, **outputs}
     # a warm server keeps cached frames until told
     for frame in (parsed, stored, state, out, accepted, panes if job.validate else None):
