@@ -98,8 +98,13 @@ def configured_pipelines(settings: Settings) -> list[str]:
     return names
 
 
-def known_pipelines(settings: Settings) -> list[str]:
-    return sorted(set(configured_pipelines(settings)) | set(lake_pipelines(settings)))
+def known_pipelines(settings: Settings, sql: str) -> list[str]:
+    """The pipelines among the first parts of ``sql``'s dotted names: configured, or holding a table in the
+    lake. Only those names are looked up, not every pipeline of the lake (a lake of many pipelines would
+    make every query list them all)."""
+    named = {m.group("pipe") for m in _TOKEN.finditer(sql) if m.group("ref") is not None}
+    configured = set(configured_pipelines(settings))
+    return sorted(p for p in named if p in configured or lake_tables(settings, p))
 
 
 # -- the query -------------------------------------------------------------------------------
@@ -151,7 +156,7 @@ def _plain(table: pa.Table) -> pa.Table:
 def run_query(settings: Settings, sql: str, as_of: str | int | None = None) -> pa.Table:
     """Execute ``sql`` over the lake and return the result as an Arrow table."""
     tables = Tables(settings)
-    text, refs = rewrite(sql, known_pipelines(settings), as_of)
+    text, refs = rewrite(sql, known_pipelines(settings, sql), as_of)
     result = execute_sql({ref.sql_name: open_ref(tables, ref) for ref in refs}, text)
     return _plain(result)
 
