@@ -7,6 +7,8 @@ MILLPOND := $(PY) -m millpond
 STAMP := $(VENV)/.installed
 ASSETS := var/datadocs-assets
 ASSETS_STAMP := $(ASSETS)/.installed
+#: `make test`'s parallel workers (pytest-xdist): a module runs whole on one of them
+TEST_WORKERS ?= 2
 
 .PHONY: run test test-unit browser venv up down status lint bench query report docs backfill clean datadocs-assets
 
@@ -15,9 +17,9 @@ run: venv ## set everything up and run the main job on the embedded defaults
 	@$(MILLPOND) up
 	@$(MILLPOND) run
 
-test: venv browser ## the whole suite (real S3 server, Delta tables, Spark, Airflow, a browser)
+test: venv browser ## the whole suite (real S3 server, Delta tables, Spark, Airflow, a browser), TEST_WORKERS at once
 	$(VENV)/bin/ruff check jobs dags tests bench
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS)
 
 test-unit: venv ## the pure model and configuration tests: no service, under a minute
 	$(PY) -m pytest -m unit -q

@@ -145,11 +145,15 @@ class Plan:
     #: the Spark engine (``bench.spark_engine``, Connect clients of a server the bench starts): one sessions
     #: batch of this many events vs bare Spark, and the client's peak RSS; 0 = skip
     spark_engine_events: int = 1_000_000
+    #: our side's runs of that batch, around the peer's (the faster counts; 1: before the peer's only)
+    spark_engine_runs: int = 2
     #: the client's peak RSS again at this size (``--full``); 0 = skip
     spark_engine_big_events: int = 0
     spark_validation_events: int = 1_000_000
     #: 1k-event batches on the Spark engine, one fresh client process each (tiny_events each); 0 = skip
     spark_tiny_runs: int = 7
+    #: the bare-Spark peer's fresh clients for the tiny batch (its median)
+    spark_tiny_bare_runs: int = 3
     #: the over-time sequence on the Spark engine: one repeat is 55 Spark batches (several seconds each here), so
     #: fewer repeats than the driver path's nine (noise-bound: one sample of batch 50)
     spark_over_time_repeats: int = 1

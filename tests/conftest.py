@@ -21,11 +21,41 @@ MODEL_TEST_MODULES = frozenset({"test_custom_strategies", "test_computation", "t
                                 "test_pipeline_versions", "test_stages", "test_listing"})
 
 
+#: modules that share one worker of a parallel run (``make test``: pytest-xdist): those using the session's
+#: Airflow, which another worker would start again
+SHARED_WORKER = {"test_airflow_dagtest": "airflow", "test_airflow_ui": "airflow"}
+#: the longest modules, started first so that no worker is left with one of them at the end (from
+#: ``--durations``; any module not named here follows, in file order)
+LONGEST_FIRST = ("test_spark_engine", "test_airflow_dagtest", "test_airflow_ui", "test_differential_beam",
+                 "test_bench_smoke", "test_quality_spark", "test_exactly_once", "test_conformance_paper",
+                 "test_flink_peer")
+
+
+def _stem(path: str) -> str:
+    return path.split("::", 1)[0].rpartition("/")[2].removesuffix(".py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         module = item.module.__name__.rpartition(".")[2] if item.module else ""
         if module in MODEL_TEST_MODULES and not SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.unit)
+    rank = {m: i for i, m in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_stem(item.nodeid), len(rank)))  # stable: file order otherwise
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """A parallel run hands out whole modules (their module-scoped servers start once), the Airflow ones as
+    one, in collection order (the longest first)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return SHARED_WORKER.get(_stem(nodeid), _stem(nodeid))
+
+    config.option.loadscopereorder = False  # keep the longest-first order
+    return ByModule(config, log)
 
 
 def free_store_env(home: Path) -> dict[str, str]:

@@ -62,7 +62,8 @@ def test_bench_smoke(settings, spark, tmp_path) -> None:
 def test_bench_spark_engine_smoke(settings, tmp_path) -> None:
     """The Spark-engine measures on 2k events: a Connect server the bench starts and stops, batches and the
     bare-Spark peer in Connect clients of their own (no classic session in this process's way)."""
-    plan = replace(SMOKE, spark_engine_events=2_000, spark_tiny_runs=2, spark_validation_events=2_000)
+    plan = replace(SMOKE, spark_engine_events=2_000, spark_engine_runs=1, spark_tiny_runs=2,
+                   spark_tiny_bare_runs=1, spark_validation_events=2_000)
     doc = run_bench(settings, plan, None, tmp_path, log=lambda m: None,
                     steps=["measure_spark_engine_sessions", "measure_spark_engine_tiny",
                            "measure_spark_engine_validation"])

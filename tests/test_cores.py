@@ -4,7 +4,6 @@ windows formed on columns, and Spark."""
 from __future__ import annotations
 
 import os
-from collections import Counter
 
 import pyarrow as pa
 import pytest
@@ -150,25 +149,3 @@ def test_spark_and_element_paths_match_the_driver_path(settings, tables, spark, 
         for table in driver:
             assert ([r.replace(names["driver"], "P") for r in driver[table]]
                     == [r.replace(names[path], "P") for r in other[table]]), (path, table)
-
-
-def test_spark_rewrites_a_touched_current_partition_as_one_file(settings, tables, spark, pipeline_name) -> None:
-    """Batch after batch, the Spark engine's copy-on-write of ``current`` leaves one file per (day, hour)
-    partition: the partitions several batches touch do not gain a file per batch (their old rows were read
-    file by file and written back as they came)."""
-    spec_w = WorkloadSpec(events=4_000, keys=100, batches=4, seed=11)
-    store = ObjectStore(settings)
-    land(store, settings.bucket_landing, f"{pipeline_name}/", spec_w, generate(spec_w))
-    spec = pipeline_from_dict({"name": pipeline_name, "source": {"prefix": f"{pipeline_name}/"}, **SESSIONS,
-                               "allowed_lateness": "1h"})
-    chosen = settings.with_overrides(engine="spark", engine_local_below=0)
-    for b in range(spec_w.batches + 1):
-        run_batch(chosen, spec, to_datetime(spec_w.start_us + (b + 1) * spec_w.interval_us), spark=spark)
-    current = tables.read_arrow(pipeline_name, "current", schema=pa.schema([]))
-    batches: dict[tuple, set[int]] = {}
-    for r in current.select(["window_end", "batch"]).to_pylist():
-        batches.setdefault((r["window_end"].date().isoformat(), r["window_end"].hour), set()).add(r["batch"])
-    assert any(len(b) > 1 for b in batches.values()), batches  # some partition was rewritten by a later batch
-    actions = pa.table(tables.open(pipeline_name, "current").get_add_actions(flatten=True)).to_pylist()
-    files = Counter((str(a["partition.window_end_day"]), int(a["partition.window_end_hour"])) for a in actions)
-    assert set(files) == set(batches) and max(files.values()) == 1, files

@@ -1,17 +1,23 @@
-"""Bad input never disappears: each bad row is quarantined with its reason, and counts add up."""
+"""A batch on both engines, input to tables: bad input never disappears (each bad row is quarantined with its
+reason, and counts add up), reruns take files once, and the Spark engine's copy-on-write keeps a file per
+partition."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from datetime import UTC, datetime
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from millpond.lake.landing import arrival_tag
 from millpond.lake.objectstore import ObjectStore
 from millpond.model.spec import pipeline_from_dict
-from millpond.model.timeutil import to_us
+from millpond.model.timeutil import to_datetime, to_us
 from millpond.runtime.job import run_batch
+
+from bench.workload import WorkloadSpec, generate, land
 
 P = datetime(2026, 3, 1, 12, 5, tzinfo=UTC)
 ARRIVAL = arrival_tag(to_us(datetime(2026, 3, 1, 12, 0, tzinfo=UTC)))
@@ -103,3 +109,32 @@ def test_rerun_is_skipped_and_files_are_taken_once(engine, tables, pipeline_name
     assert second.counts["duplicates"] == 1 and second.counts["accepted"] == 0
     assert tables.read_arrow(pipeline_name, "panes").num_rows == 1
     assert tables.read_arrow(pipeline_name, "batches").num_rows == 2
+
+
+#: sessions with early, on-time and late panes: batch after batch they touch the same ``current`` partitions
+CURRENT_SESSIONS = {"window": {"type": "sessions", "gap": "5m"}, "aggregation": "sum",
+                    "trigger": "AtWatermark(early=AfterDelay('1m'), late=AtCount(1))",
+                    "accumulation": "accumulating_and_retracting", "batch_interval": "5m",
+                    "watermark": {"policy": "processing_time", "lag": "2m"}}
+
+
+def test_spark_rewrites_a_touched_current_partition_as_one_file(settings, tables, spark, pipeline_name) -> None:
+    """Batch after batch, the Spark engine's copy-on-write of ``current`` leaves one file per (day, hour)
+    partition: the partitions several batches touch do not gain a file per batch (their old rows were read
+    file by file and written back as they came)."""
+    spec_w = WorkloadSpec(events=4_000, keys=100, batches=4, seed=11)
+    store = ObjectStore(settings)
+    land(store, settings.bucket_landing, f"{pipeline_name}/", spec_w, generate(spec_w))
+    spec = pipeline_from_dict({"name": pipeline_name, "source": {"prefix": f"{pipeline_name}/"}, **CURRENT_SESSIONS,
+                               "allowed_lateness": "1h"})
+    chosen = settings.with_overrides(engine="spark", engine_local_below=0)
+    for b in range(spec_w.batches + 1):
+        run_batch(chosen, spec, to_datetime(spec_w.start_us + (b + 1) * spec_w.interval_us), spark=spark)
+    current = tables.read_arrow(pipeline_name, "current", schema=pa.schema([]))
+    batches: dict[tuple, set[int]] = {}
+    for r in current.select(["window_end", "batch"]).to_pylist():
+        batches.setdefault((r["window_end"].date().isoformat(), r["window_end"].hour), set()).add(r["batch"])
+    assert any(len(b) > 1 for b in batches.values()), batches  # some partition was rewritten by a later batch
+    actions = pa.table(tables.open(pipeline_name, "current").get_add_actions(flatten=True)).to_pylist()
+    files = Counter((str(a["partition.window_end_day"]), int(a["partition.window_end_hour"])) for a in actions)
+    assert set(files) == set(batches) and max(files.values()) == 1, files
