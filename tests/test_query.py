@@ -105,6 +105,20 @@ def test_unknown_table_and_bad_sql_are_one_line_errors(settings, lake: str) -> N
         run_query(settings, f"SELEC * FROM {lake}.panes")
 
 
+def test_a_query_looks_up_only_the_pipelines_it_names(settings, lake: str, monkeypatch) -> None:
+    """The lake is listed under the dotted names' first parts only, never pipeline by pipeline: a lake of many
+    pipelines would make every query list them all (here, every test's pipelines in the session's store)."""
+    import millpond.surface.query as query
+
+    monkeypatch.setattr(query, "lake_pipelines", lambda _s: pytest.fail("every pipeline of the lake was listed"))
+    asked: list[str] = []
+    real = query.lake_tables
+    monkeypatch.setattr(query, "lake_tables", lambda s, p: asked.append(p) or real(s, p))
+    got = run_query(settings, f"SELECT count(*) AS n FROM {lake}.panes p WHERE p.key = 'alice'")
+    assert got.column("n").to_pylist() == [2]
+    assert sorted(set(asked)) == sorted({lake, "p"})  # ``p.key``: an alias, asked about and left alone
+
+
 def test_rewrite_leaves_aliases_literals_and_comments_alone() -> None:
     sql, refs = rewrite("SELECT p.key, 'a.b' FROM vs.panes@v2 p -- x.y\nJOIN other.t o ON o.k = p.key", ["vs"])
     assert sql == "SELECT p.key, 'a.b' FROM \"vs.panes@v2\" p -- x.y\nJOIN \"other.t\" o ON o.k = p.key"
