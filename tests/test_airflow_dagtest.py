@@ -154,6 +154,17 @@ def test_backfill_equals_live_runs(settings: Settings, conf_dir: Path, airflow_s
     assert any(h.get("operation") == "RESTORE" for h in backfilled.history(p, "windows"))
 
 
+def test_a_backfill_airflow_removed_is_named_as_gone(airflow_stack) -> None:
+    """A backfill id Airflow no longer knows (on SQLite it cleans up a create it refused half-way, after the id
+    was handed out) ends the wait with ``BackfillGone``, on which the backfill is created again."""
+    from millpond.orchestration.backfill import Backfill, BackfillGone
+
+    stack, s = airflow_stack
+    backfill = Backfill(s, airflow_env.PIPELINE, T0, T0 + STEP, stack=stack)
+    with pytest.raises(BackfillGone, match="backfill 999999 .* is gone from Airflow"):
+        backfill.wait(999999, timeout=60, echo=lambda _: None)
+
+
 def test_a_dead_scheduler_is_restarted(airflow_stack) -> None:
     """Airflow's scheduler exits on some database races and expects a supervisor: the embedded stack is
     its own (backfills and the UI test revive dead components while they wait)."""

@@ -55,6 +55,11 @@ def _iso(value: datetime) -> str:
     return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
+class BackfillGone(MillpondError):
+    """Airflow removed the backfill being waited for: on SQLite, a create it refused half-way ("database is
+    locked") is cleaned up after its id was already handed out."""
+
+
 class Backfill:
     """A backfill of one pipeline over [start, end) through the running Airflow's REST API."""
 
@@ -197,7 +202,12 @@ class Backfill:
             if line != last_line:
                 echo(line)
                 last_line = line
-            completed = self.api("GET", f"/backfills/{backfill_id}").get("completed_at")
+            try:
+                completed = self.api("GET", f"/backfills/{backfill_id}").get("completed_at")
+            except MillpondError as exc:
+                if " 404" in str(exc):
+                    raise BackfillGone(f"backfill {backfill_id} of {self.dag_id} is gone from Airflow") from exc
+                raise
             if completed and all(v in TERMINAL for v in states.values()):
                 return states
             if time.monotonic() > deadline:
@@ -293,7 +303,17 @@ class Backfill:
              f"{self.dag_id}")
         if not wait:
             return {}
-        states = self.wait(created["id"], timeout, echo)
+        for attempt in range(3):
+            try:
+                states = self.wait(created["id"], timeout, echo)
+                break
+            except BackfillGone:
+                if attempt == 2:
+                    raise
+                # its runs went with it; batches already committed are skipped by their transactions
+                echo(f"backfill {created['id']} of {self.dag_id} was removed by Airflow (a create it refused "
+                     "half-way): creating it again")
+                created = self.create()
         failed = [k for k, v in states.items() if v != "success"]
         if failed:
             raise MillpondError(f"{len(failed)} of {len(states)} backfill runs of {self.dag_id} failed "
