@@ -122,13 +122,22 @@ class Backfill:
         }
 
     def create(self, attempts: int = 6) -> dict[str, Any]:
-        refused_locked = False
+        refused = ""  # how Airflow last refused this create on a locked database: "" (it did not), 503, 500
         for attempt in range(attempts):
             try:
                 return self.api("POST", "/backfills", self.body())
             except MillpondError as exc:
-                if " 409" in str(exc) and refused_locked and (left := self.left_running()) is not None:
-                    return left
+                if " 409" in str(exc) and refused and (left := self.left_running()) is not None:
+                    if refused == "500":  # refused at its audit-log write: the backfill and its runs committed
+                        return left
+                    # refused at its runs (503): they were rolled back, the backfill row stayed, and it would
+                    # never run anything; cancelled (it has no runs to fail), then created again
+                    try:
+                        self.api("PUT", f"/backfills/{left['id']}/cancel")
+                        refused = ""
+                    except MillpondError:  # locked again, or completed meanwhile: ask again
+                        time.sleep(1.0 + 2 * attempt)
+                    continue
                 if " 409" in str(exc) and attempt < attempts - 1:  # the previous backfill's end can lag its runs
                     time.sleep(2.0 + 2 * attempt)
                     continue
@@ -141,15 +150,17 @@ class Backfill:
                 text = str(exc).lower()
                 if ((" 503" in text and "locked" in text) or (" 500" in text and "database error" in text)) \
                         and attempt < attempts - 1:
-                    refused_locked = True
+                    refused = "503" if " 503" in text else "500"
                     time.sleep(1.0 + 2 * attempt)
                     continue
                 raise
-        raise AssertionError("unreachable")
+        raise MillpondError(f"Airflow kept refusing a backfill of {self.dag_id} (its database was locked "
+                            f"{attempts} times): run it again")
 
     def left_running(self) -> dict[str, Any] | None:
         """The running backfill of this very range that a refused create left behind: Airflow commits the
-        backfill before its runs, and on SQLite its clean-up after a "locked" refusal can fail as well."""
+        backfill before its runs, and on SQLite its clean-up after a "locked" refusal can fail as well (or
+        come late: ``BackfillGone``)."""
         body = self.body()
         found = self.api("GET", f"/backfills?{urlencode({'dag_id': self.dag_id, 'limit': 100})}")
         for b in found.get("backfills", []):
