@@ -18,7 +18,7 @@ from millpond.orchestration.store import EmbeddedStore, isolated_store_env
 SERVICE_FIXTURES = frozenset({"settings", "tables", "spark", "airflow_stack", "millpond_home", "pipeline_name"})
 MODEL_TEST_MODULES = frozenset({"test_custom_strategies", "test_computation", "test_fast_paths", "test_watermark",
                                 "test_dags", "test_properties", "test_settings", "test_layers",
-                                "test_pipeline_versions", "test_stages", "test_listing"})
+                                "test_pipeline_versions", "test_stages", "test_listing", "test_file_stats"})
 
 
 #: modules that share one worker of a parallel run (``make test``: pytest-xdist): those using the session's

@@ -143,10 +143,13 @@ def test_fig14_sessions_retracting_via_cli(settings, tmp_path) -> None:
     assert sorted(v for v in final.values() if v) == [12, 39]
 
 
-@pytest.mark.parametrize("partitions", [1, 3])
-def test_fig14_on_spark_matches_driver_path(settings, spark, tables, pipeline_name, monkeypatch, partitions) -> None:
+@pytest.mark.parametrize(("partitions", "one_task"), [(1, False), (3, False), (1, True)],
+                         ids=["plan-1", "plan-3", "one_task"])
+def test_fig14_on_spark_matches_driver_path(settings, spark, tables, pipeline_name, monkeypatch, partitions,
+                                            one_task) -> None:
     """The Spark engine gives the same tables at any parallelism (the batch's shuffle width is its size's, capped
-    by ``spark.shuffle_partitions``: one row per task makes the cap the width here)."""
+    by ``spark.shuffle_partitions``: one row per task makes the cap the width here), and as a small batch's one
+    task."""
     from millpond.runtime.engines import spark_batch
 
     monkeypatch.setattr(spark_batch, "ROWS_PER_TASK", 1)
@@ -154,7 +157,8 @@ def test_fig14_on_spark_matches_driver_path(settings, spark, tables, pipeline_na
            "trigger": "SequenceOf(RepeatUntil(AtPeriod('1m'), AtWatermark()), Repeat(AtWatermark()))",
            "accumulation": "accumulating_and_retracting", "aggregation": "sum", "allowed_lateness": "10m",
            "batch_interval": "1m", "watermark": EXPLICIT, "source": {"prefix": f"replay/{pipeline_name}/"}}
-    on_spark = settings.with_overrides(engine="spark", engine_local_below=0, spark_shuffle_partitions=partitions)
+    on_spark = settings.with_overrides(engine="spark", engine_local_below=0, spark_shuffle_partitions=partitions,
+                                       engine_one_task_below=10**6 if one_task else 0)
     panes = replay(on_spark, pipeline_from_dict(doc), EVENTS, spark=spark)
     assert [(p["batch"], p["window_start"][11:19], p["kind"][0], p["value"], p["timing"]) for p in panes] == FIG14
     current = tables.read_arrow(pipeline_name, "current").sort_by("window_start").to_pylist()

@@ -119,7 +119,7 @@ def test_forked_per_key_step_matches_one_process(settings, tables, pipeline_name
 def test_spark_and_element_paths_match_the_driver_path(settings, tables, spark, pipeline_name, monkeypatch) -> None:
     """Three batches and a flush of a Zipf stream with duplicates and late data (keys with and without
     stored windows, late elements) through the driver path, the driver path without windows formed on
-    columns (the element path, its reference) and Spark's ``mapInArrow`` over 3 partitions."""
+    columns (the element path, its reference), Spark's multi-stage plan, and the Spark engine's one task."""
     spec_w = WorkloadSpec(events=6_000, keys=400, batches=3, seed=9)
     events = generate(spec_w)
     store = ObjectStore(settings)
@@ -129,22 +129,25 @@ def test_spark_and_element_paths_match_the_driver_path(settings, tables, spark, 
     spark.conf.set("spark.sql.shuffle.partitions", "3")
     names, formed_by = {}, {}
     try:
-        for path in ("driver", "element", "spark"):
+        for path in ("driver", "element", "spark", "one_task"):
             name = names[path] = f"{pipeline_name}_{path}"
             land(store, settings.bucket_landing, f"{name}/", spec_w, events)
             spec = pipeline_from_dict({"name": name, "source": {"prefix": f"{name}/"}, **doc})
-            chosen = settings.with_overrides(engine="spark" if path == "spark" else "local", engine_local_below=0,
-                                             columnar_windows=path != "element", driver_workers=0)
+            on_spark = path in ("spark", "one_task")
+            chosen = settings.with_overrides(engine="spark" if on_spark else "local", engine_local_below=0,
+                                             columnar_windows=path != "element", driver_workers=0,
+                                             engine_one_task_below=10**6 if path == "one_task" else 0)
             for b in range(spec_w.batches + 1):
-                run_batch(chosen, spec, to_datetime(spec_w.start_us + (b + 1) * spec_w.interval_us),
-                          spark=spark if path == "spark" else None)
+                result = run_batch(chosen, spec, to_datetime(spec_w.start_us + (b + 1) * spec_w.interval_us),
+                                   spark=spark if on_spark else None)
+                assert ("spark_task" in result.phases) == (path == "one_task")
             formed_by[path], formed[:] = sum(formed), []
     finally:
         spark.conf.set("spark.sql.shuffle.partitions", partitions)
     assert formed_by["driver"] > 0 and formed_by["element"] == 0  # the columnar path ran, and only there
     driver = _tables(tables, names["driver"])
     assert driver["panes"] and driver["current"] and driver["late"]
-    for path in ("element", "spark"):
+    for path in ("element", "spark", "one_task"):
         other = _tables(tables, names[path])
         for table in driver:
             assert ([r.replace(names["driver"], "P") for r in driver[table]]

@@ -46,12 +46,15 @@ CORPUS = {
 }
 
 
-@pytest.fixture(params=["local", "spark"])
+@pytest.fixture(params=["local", "spark", "spark_plan"])
 def engine(request, settings):
-    """Both engines: the in-process one and the whole batch as a Spark job (a session from the fixture)."""
+    """Both engines: the in-process one, and the whole batch on Spark (a session from the fixture) as one task
+    (a small batch's default) and as the multi-stage plan."""
     if request.param == "local":
         return settings.with_overrides(engine="local"), None
-    return settings.with_overrides(engine="spark"), request.getfixturevalue("spark")
+    one_task_below = 0 if request.param == "spark_plan" else settings.engine_one_task_below
+    return (settings.with_overrides(engine="spark", engine_one_task_below=one_task_below),
+            request.getfixturevalue("spark"))
 
 
 def test_bad_input_corpus_is_quarantined_with_reasons(engine, tables, pipeline_name) -> None:
@@ -63,7 +66,9 @@ def test_bad_input_corpus_is_quarantined_with_reasons(engine, tables, pipeline_n
     for name, body in CORPUS.items():
         store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{ARRIVAL}-{name}", body.encode())
     result = run_batch(settings, spec, P, spark=spark)
-    assert ("dedup" in result.phases) == (spark is None)  # the local engine's own steps, or the Spark job
+    one_task = spark is not None and settings.engine_one_task_below > 0
+    assert ("spark_task" in result.phases) == one_task
+    assert ("dedup" in result.phases) == (spark is None or one_task)  # the local engine's steps, here or in a task
     q = tables.read_arrow(pipeline_name, "quarantine")
     reasons = {(r["source_file"].rsplit("-", 1)[-1], r["line"]): r["reason"] for r in q.to_pylist()}
     assert reasons[("malformed.jsonl", 1)].startswith("malformed JSON")
@@ -118,18 +123,22 @@ CURRENT_SESSIONS = {"window": {"type": "sessions", "gap": "5m"}, "aggregation": 
                     "watermark": {"policy": "processing_time", "lag": "2m"}}
 
 
-def test_spark_rewrites_a_touched_current_partition_as_one_file(settings, tables, spark, pipeline_name) -> None:
-    """Batch after batch, the Spark engine's copy-on-write of ``current`` leaves one file per (day, hour)
-    partition: the partitions several batches touch do not gain a file per batch (their old rows were read
-    file by file and written back as they came)."""
+@pytest.mark.parametrize("one_task", [False, True], ids=["plan", "one_task"])
+def test_spark_rewrites_a_touched_current_partition_as_one_file(settings, tables, spark, pipeline_name,
+                                                                 one_task) -> None:
+    """Batch after batch, the Spark engine's copy-on-write of ``current`` (by the multi-stage plan, or in the one
+    task of a small batch) leaves one file per (day, hour) partition: the partitions several batches touch do not
+    gain a file per batch (their old rows were read file by file and written back as they came)."""
     spec_w = WorkloadSpec(events=4_000, keys=100, batches=4, seed=11)
     store = ObjectStore(settings)
     land(store, settings.bucket_landing, f"{pipeline_name}/", spec_w, generate(spec_w))
     spec = pipeline_from_dict({"name": pipeline_name, "source": {"prefix": f"{pipeline_name}/"}, **CURRENT_SESSIONS,
                                "allowed_lateness": "1h"})
-    chosen = settings.with_overrides(engine="spark", engine_local_below=0)
+    chosen = settings.with_overrides(engine="spark", engine_local_below=0,
+                                     engine_one_task_below=10**6 if one_task else 0)
     for b in range(spec_w.batches + 1):
-        run_batch(chosen, spec, to_datetime(spec_w.start_us + (b + 1) * spec_w.interval_us), spark=spark)
+        result = run_batch(chosen, spec, to_datetime(spec_w.start_us + (b + 1) * spec_w.interval_us), spark=spark)
+        assert ("spark_task" in result.phases) == one_task
     current = tables.read_arrow(pipeline_name, "current", schema=pa.schema([]))
     batches: dict[tuple, set[int]] = {}
     for r in current.select(["window_end", "batch"]).to_pylist():

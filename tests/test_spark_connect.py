@@ -63,7 +63,9 @@ from millpond.errors import MillpondError
 from millpond.model.spec import pipeline_from_dict
 from millpond.runtime.spark_client import connect
 from millpond.surface.replay import read_events, replay
-s = load_settings().with_overrides(spark_connect=sys.argv[1], engine="spark", engine_local_below=0, spark_timeout_s=8.0)
+# the multi-stage plan: several seconds per batch, so that the freeze lands inside one
+s = load_settings().with_overrides(spark_connect=sys.argv[1], engine="spark", engine_local_below=0, spark_timeout_s=8.0,
+                                   engine_one_task_below=0)
 spark = connect(s)
 print("connected", flush=True)
 doc = {"name": sys.argv[2], "source": {"prefix": "replay/" + sys.argv[2] + "/"}, "window": {"type": "sessions",

@@ -32,7 +32,8 @@ from millpond.model.spec import pipeline_from_dict
 from millpond.runtime.spark_client import connect
 from millpond.surface.replay import read_events, replay
 doc, events, url = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
-settings = load_settings().with_overrides(engine="spark", spark_connect=url)
+# the multi-stage plan, whose stages spread over the workers (a batch this small would otherwise be one task)
+settings = load_settings().with_overrides(engine="spark", spark_connect=url, engine_one_task_below=0)
 replay(settings, pipeline_from_dict(doc), read_events(events), spark=connect(settings))
 print("ok")
 """

@@ -7,6 +7,7 @@ import json
 from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
+import pytest
 from deltalake import DeltaTable
 from millpond.lake.landing import arrival_tag
 from millpond.lake.objectstore import ObjectStore
@@ -121,17 +122,21 @@ def test_dedup_state_is_bounded_and_old_redelivery_is_counted_late(settings, tab
     assert sum(values) == batches  # each event counted once
 
 
-def test_dedup_state_is_bounded_on_the_spark_engine(settings, spark, tables, pipeline_name) -> None:
-    """The Spark engine folds seen_ids as the local engine does: ids expire behind the watermark, so the table
-    every batch's dedup reads stays bounded over months of batches."""
+@pytest.mark.parametrize("one_task", [False, True], ids=["plan", "one_task"])
+def test_dedup_state_is_bounded_on_the_spark_engine(settings, spark, tables, pipeline_name, one_task) -> None:
+    """The Spark engine (its multi-stage plan, and a small batch's one task) folds seen_ids as the local engine
+    does: ids expire behind the watermark, so the table every batch's dedup reads stays bounded over months of
+    batches."""
     spec = _dedup_spec(pipeline_name)
-    on_spark = settings.with_overrides(engine="spark", engine_local_below=0)
+    on_spark = settings.with_overrides(engine="spark", engine_local_below=0,
+                                       engine_one_task_below=10**6 if one_task else 0)
     store = ObjectStore(settings)
     batches = SEEN_FOLD_OVER_FILES + 2
     for b in range(batches):
         _land_dedup_batch(store, settings.bucket_landing, pipeline_name, b, batches)
         last = run_batch(on_spark, spec, T0 + timedelta(minutes=b + 1), spark=spark)
-        assert "dedup" not in last.phases  # the batch ran on the Spark engine
+        assert ("spark_task" in last.phases) == one_task  # the batch ran on the Spark engine, in one task or not
+        assert ("dedup" in last.phases) == one_task
     assert last.counts["duplicates"] == 1 and last.counts["accepted"] == 1
     seen = tables.read_arrow(pipeline_name, "seen_ids")
     assert set(seen.column("id").to_pylist()) == {f"e{batches - 3}", f"e{batches - 2}", f"e{batches - 1}"}

@@ -109,6 +109,9 @@ OPTIONS: tuple[Option, ...] = (
            "what runs a batch's per-key step: local (in-process, forked over the cores) or spark"),
     Option("engine_local_below", "engine.local_below", "MILLPOND_ENGINE_LOCAL_BELOW", _int, 0,
            "with engine spark: batches whose landing files hold fewer bytes run in-process (0: none do)"),
+    Option("engine_one_task_below", "engine.one_task_below", "MILLPOND_ENGINE_ONE_TASK_BELOW", _int, 100_000,
+           "with engine spark: a batch of fewer rows (its files' events, estimated from their size, plus its "
+           "stored windows) runs as one Spark task, not a multi-stage plan (0: none does)"),
     Option("columnar_windows", "engine.columnar_windows", "MILLPOND_COLUMNAR_WINDOWS", _bool, True,
            "form windows of keys without stored state on columns (false: the per-element reference path)"),
     Option("driver_workers", "engine.driver_workers", "MILLPOND_DRIVER_WORKERS", _optional_int, None,
@@ -191,6 +194,7 @@ class Settings:
     table_root: str
     engine: str
     engine_local_below: int
+    engine_one_task_below: int
     columnar_windows: bool
     driver_workers: int | None
     driver_min_range: int

@@ -55,6 +55,8 @@ STATE_TABLES = ("windows", "seen_ids")
 BOOKKEEPING_TABLES = ("batches", "ingest_log")
 #: the current view's partitions: a batch's MERGE rewrites the hours it touches
 CURRENT_PARTITIONS = ("window_end_day", "window_end_hour")
+#: the ``windows`` columns whose file statistics a batch's reads of state prune by
+WINDOWS_STATS_COLUMNS = ("key", "window_start", "window_end", "event_timer", "ptime_timer")
 #: the tables a windowed pipeline's batch writes (the marker names their versions)
 OUTPUT_TABLES = ("panes", "current", "late", "quarantine", "windows", "seen_ids", "ingest_log")
 
@@ -73,6 +75,12 @@ def current_schema(value_type: str) -> pa.Schema:
          ("value", value_arrow_type(value_type)),
          ("pane_index", pa.int64()), ("timing", pa.string()), ("batch", pa.int64()), ("deleted", pa.bool_())]
     )
+
+
+def current_file_schema(value_type: str) -> pa.Schema:
+    """The current view's rows with its partition columns (``CURRENT_PARTITIONS``), as data files are written."""
+    return current_schema(value_type).append(pa.field("window_end_day", pa.date32())).append(
+        pa.field("window_end_hour", pa.int32()))
 
 
 def value_arrow_type(value_type: str) -> pa.DataType:

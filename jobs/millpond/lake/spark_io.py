@@ -51,7 +51,7 @@ def landing_schema(value_type: str) -> pa.Schema:
                       ("reason", pa.string())])
 
 
-def _spark_schema(schema: pa.Schema):
+def spark_schema(schema: pa.Schema):
     from pyspark.sql.pandas.types import from_arrow_schema
 
     return from_arrow_schema(schema, prefer_timestamp_ntz=False)
@@ -78,7 +78,7 @@ def read_landing(spark, settings: Settings, files: list[tuple[str, int]], value_
     rank = {key: i for i, key in enumerate(sorted(key for key, _ in files))}
     ids, task = _per_item(spark, [(key, arrival, rank[key]) for key, arrival in files], _landing_task, tasks)
     task = functools.partial(task, Storage.of(settings), settings.bucket_landing, value_type, processing_time)
-    return ids.mapInArrow(task, _spark_schema(landing_schema(value_type)))
+    return ids.mapInArrow(task, spark_schema(landing_schema(value_type)))
 
 
 def _landing_task(files: list[tuple[str, int, int]], storage: Storage, bucket: str, value_type: str,
@@ -135,7 +135,7 @@ def read_table(spark, tables, pipeline: str, name: str, version: int | None = No
     files = data_files(dt) if only is None else only
     schema = table_schema(dt)
     ids, task = _per_item(spark, files, _table_task, tasks)
-    return ids.mapInArrow(functools.partial(task, Storage.of(tables.settings), schema), _spark_schema(schema))
+    return ids.mapInArrow(functools.partial(task, Storage.of(tables.settings), schema), spark_schema(schema))
 
 
 def table_files(tables, pipeline: str, name: str, version: int | None = None) -> list[tuple[str, dict[str, Any]]]:
@@ -172,7 +172,7 @@ def write_files(df, settings: Settings, table: str, table_uri: str, partition_by
     """A lazy DataFrame (of ``WRITTEN``) that writes ``df`` as data files of the table at ``table_uri`` from the
     executors, one row per file written; run it with ``collect_writes``."""
     task = functools.partial(_write_task, Storage.of(settings), table, table_uri, list(partition_by or []))
-    return df.mapInArrow(task, _spark_schema(WRITTEN))  # a struct, not DDL text: no parse on the server
+    return df.mapInArrow(task, spark_schema(WRITTEN))  # a struct, not DDL text: no parse on the server
 
 
 def collect_writes(writes: list[Any]) -> dict[str, list[dict[str, Any]]]:
@@ -189,12 +189,21 @@ def collect_writes(writes: list[Any]) -> dict[str, list[dict[str, Any]]]:
 def _write_task(storage: Storage, table_name: str, table_uri: str, partition_by: list[str],
                 batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """Runs in an executor: the task's rows as one Parquet file per partition of the table; one row per file."""
-    import pyarrow.parquet as pq
-
     got = [b for b in batches if b.num_rows]
     if not got:
         return
-    table = pa.Table.from_batches(got)
+    actions = write_table(storage, table_uri, pa.Table.from_batches(got), partition_by)
+    yield pa.RecordBatch.from_arrays([pa.array([table_name] * len(actions), pa.string()),
+                                      pa.array(actions, pa.string())], names=["tbl", "action"])
+
+
+def write_table(storage: Storage, table_uri: str, table: pa.Table, partition_by: list[str] | None = None
+                ) -> list[str]:
+    """``table``'s rows as data files of the Delta table at ``table_uri``, one per partition; their add
+    actions (JSON), for a commit by the batch (``file_commits.commit_files``)."""
+    import pyarrow.parquet as pq
+
+    partition_by = list(partition_by or [])
     filesystem, root = storage.filesystem(table_uri.rstrip("/"))
     actions = []
     for values, part in _partitions(table, partition_by):
@@ -206,11 +215,9 @@ def _write_task(storage: Storage, table_name: str, table_uri: str, partition_by:
         body = buffer.getvalue()
         with filesystem.open_output_stream(f"{root}/{rel}") as out:
             out.write(body)
-        size = body.size
-        actions.append(json.dumps({"path": rel, "size": size, "partition_values": values,
+        actions.append(json.dumps({"path": rel, "size": body.size, "partition_values": values,
                                    "modification_time": int(time.time() * 1000), "stats": _stats(data)}))
-    yield pa.RecordBatch.from_arrays([pa.array([table_name] * len(actions), pa.string()),
-                                      pa.array(actions, pa.string())], names=["tbl", "action"])
+    return actions
 
 
 def _partitions(table: pa.Table, columns: list[str]) -> Iterator[tuple[dict[str, str | None], pa.Table]]:
@@ -229,15 +236,44 @@ def _partitions(table: pa.Table, columns: list[str]) -> Iterator[tuple[dict[str,
 
 
 def _stats(table: pa.Table) -> str:
-    """Delta file statistics: row and null counts, and min/max of string and integer columns (exact; no
-    timestamps, whose text form would round)."""
+    """Delta file statistics: row and null counts, and min/max of every column a reader may filter on. A filtered
+    read by delta-rs skips a file that has no min/max for the filtered column, so every type gets them:
+    timestamps as delta-rs writes them (milliseconds), widened to whole milliseconds (min down, max up) so that
+    no row falls outside them."""
     import pyarrow.compute as pc
 
     mins, maxs, nulls = {}, {}, {}
     for f in table.schema:
         col = table.column(f.name)
         nulls[f.name] = col.null_count
-        if (pa.types.is_string(f.type) or pa.types.is_integer(f.type)) and col.null_count < len(col):
+        if col.null_count == len(col):
+            continue
+        if pa.types.is_timestamp(f.type):
+            mm = pc.min_max(col.cast(pa.timestamp(f.type.unit, f.type.tz)).cast(pa.int64()))
+            per_ms = {"s": None, "ms": 1, "us": 1_000, "ns": 1_000_000}[f.type.unit]
+            if per_ms is None:
+                continue
+            lo, hi = mm["min"].as_py() // per_ms, min(-(-mm["max"].as_py() // per_ms), LAST_MS)
+            mins[f.name], maxs[f.name] = _ms_text(lo), _ms_text(hi)
+        elif pa.types.is_date(f.type):
             mm = pc.min_max(col)
-            mins[f.name], maxs[f.name] = mm["min"].as_py(), mm["max"].as_py()
+            mins[f.name], maxs[f.name] = mm["min"].as_py().isoformat(), mm["max"].as_py().isoformat()
+        elif (pa.types.is_string(f.type) or pa.types.is_integer(f.type) or pa.types.is_floating(f.type)
+              or pa.types.is_boolean(f.type)):
+            mm = pc.min_max(col)
+            lo, hi = mm["min"].as_py(), mm["max"].as_py()
+            if lo is None or (isinstance(lo, float) and (lo != lo or hi != hi)):  # NaN only: no bounds
+                continue
+            mins[f.name], maxs[f.name] = lo, hi
     return json.dumps({"numRecords": table.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
+
+
+#: 9999-12-31T23:59:59.999Z, the last millisecond a statistic can name (delta-rs writes the end of time so)
+LAST_MS = 253402300799999
+
+
+def _ms_text(ms: int) -> str:
+    """A timestamp in milliseconds since the epoch, as Delta statistics write it (UTC, three decimals)."""
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(ms // 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S") + f".{ms % 1000:03d}Z"

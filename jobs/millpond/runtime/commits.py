@@ -49,6 +49,16 @@ class PhaseTimer:
             progress.done(self.label, name, self.phases[name], **counts)  # a recurring phase: its total
         self._t = now
 
+    def split(self, name: str, parts: dict[str, float], **counts: object) -> None:
+        """Phase ``name`` ends now, and held ``parts`` timed elsewhere (in a Spark task): they become phases
+        of their own, ``name`` keeps the rest (the job's scheduling and round trip)."""
+        self.lap(name, quiet=True)
+        self.phases[name] = max(0.0, self.phases[name] - sum(parts.values()))
+        for part, seconds in parts.items():
+            self.phases[part] = self.phases.get(part, 0.0) + seconds
+        progress.done(self.label, name, self.phases[name], **counts,
+                      **{part: f"{seconds:.2f}s" for part, seconds in parts.items()})
+
 
 def concurrently(calls: dict[str, Callable[[], Any]]) -> dict[str, Any]:
     """Independent reads of different tables at once: each mostly waits on the object store, with the

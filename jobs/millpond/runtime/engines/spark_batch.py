@@ -24,11 +24,19 @@ import pyarrow as pa
 from millpond.config import Settings
 from millpond.lake import spark_io
 from millpond.lake.file_commits import commit_files, live_files
-from millpond.lake.schemas import CURRENT_PARTITIONS, QUARANTINE_SCHEMA, SEEN_SCHEMA, current_schema, late_schema
+from millpond.lake.schemas import (
+    CURRENT_PARTITIONS,
+    QUARANTINE_SCHEMA,
+    SEEN_SCHEMA,
+    WINDOWS_STATS_COLUMNS,
+    current_file_schema,
+    late_schema,
+)
 from millpond.lake.tables import Txn
 from millpond.model.clock import BatchClock
 from millpond.model.panes import pane_schema
 from millpond.model.state import WINDOWS_SCHEMA
+from millpond.runtime.engines import spark_task
 from millpond.runtime.engines.spark_keys import per_key_step
 from millpond.runtime.spark_watchdog import watched
 from millpond.runtime.steps.dedup import seen_keep_from
@@ -297,7 +305,7 @@ def _rewrite_windows(job: BatchContext, txn: Txn, clock: BatchClock, out, versio
                                  "windows", job.settings.table_uri(job.name, "windows"))
     return "windows", write, lambda files: commit_files(
         job.tables, job.name, "windows", files, WINDOWS_SCHEMA, txn, removes=removes,
-        stats_columns=["key", "window_start", "window_end", "event_timer", "ptime_timer"])
+        stats_columns=WINDOWS_STATS_COLUMNS)
 
 
 def _rewrite_current(job: BatchContext, txn: Txn, clock: BatchClock, out, parts: set[tuple[str, str]],
@@ -328,8 +336,7 @@ def _rewrite_current(job: BatchContext, txn: Txn, clock: BatchClock, out, parts:
         old = spark_io.read_table(job.spark, job.tables, job.name, "current", dt.version(), only=files,
                                   tasks=partitions)
         keep = old.join(current.select(*on), on, "left_anti").unionByName(keep)
-    schema = current_schema(pane_type).append(pa.field("window_end_day", pa.date32())).append(
-        pa.field("window_end_hour", pa.int32()))
+    schema = current_file_schema(pane_type)
     rows = keep.withColumn("deleted", F.lit(False)).repartition(partitions, *CURRENT_PARTITIONS)
     write = spark_io.write_files(rows, job.settings, "current",
                                  job.settings.table_uri(job.name, "current"), partition_by=list(CURRENT_PARTITIONS))
@@ -340,13 +347,18 @@ def _rewrite_current(job: BatchContext, txn: Txn, clock: BatchClock, out, parts:
 def run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], planned_bytes: int,
                  prev: dict[str, Any] | None, w_in: int, processing_time: int, explicit_watermark, timer
                  ) -> tuple[dict[str, int], BatchClock, int | None]:
-    """The batch's read, dedup, watermark, per-key step and writes as Spark jobs; counts, clock, max event time.
-    ``planned_bytes``: the planned landing files' size, which with the stored windows sizes the batch's
-    shuffles. A Connect server that stops answering meanwhile fails the batch within ``spark.timeout``."""
+    """The batch's read, dedup, watermark, per-key step and writes as Spark jobs, or as one Spark task when it is
+    small (``spark_task``); counts, clock, max event time. ``planned_bytes``: the planned landing files' size,
+    which with the stored windows sizes the batch (``rows``). A Connect server that stops answering meanwhile
+    fails the batch within ``spark.timeout``."""
+    rows = planned_bytes // LANDING_BYTES_PER_ROW + spark_io.table_rows(job.tables, job.name, "windows",
+                                                                       the_plan["versions"].get("windows"))
+    if spark_task.fits_one_task(job.settings, rows, job.validate):
+        return spark_task.run_one_task(job, txn, the_plan, prev, w_in, processing_time, explicit_watermark, timer)
     conf = job.spark.conf
     width = conf.get("spark.sql.shuffle.partitions")  # the session's, put back after (a shared session's peers)
     with watched(job.spark, job.settings.spark_connect_url, job.settings.spark_timeout_s):
-        result = _run_on_spark(job, txn, the_plan, planned_bytes, prev, w_in, processing_time, explicit_watermark,
+        result = _run_on_spark(job, txn, the_plan, rows, prev, w_in, processing_time, explicit_watermark,
                                timer)
     # only after a batch that ran: a failed one's error stands (a frozen server's session takes no more calls),
     # and the next batch sets its own width anyway
@@ -354,14 +366,13 @@ def run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], planned_
     return result
 
 
-def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], planned_bytes: int,
+def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], rows: int,
                   prev: dict[str, Any] | None, w_in: int, processing_time: int, explicit_watermark, timer
                   ) -> tuple[dict[str, int], BatchClock, int | None]:
     from millpond.runtime.steps.watermark import clock_for
 
     version, seen_version = the_plan["versions"].get("windows"), the_plan["versions"].get("seen_ids")
-    partitions = batch_partitions(job.settings, planned_bytes // LANDING_BYTES_PER_ROW
-                                  + spark_io.table_rows(job.tables, job.name, "windows", version))
+    partitions = batch_partitions(job.settings, rows)
     job.spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
     seen = None if seen_version is None else spark_io.read_table(job.spark, job.tables, job.name, "seen_ids",
                                                                  seen_version, tasks=partitions)

@@ -11,7 +11,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from millpond.lake.schemas import BATCHES_SCHEMA, CURRENT_PARTITIONS, QUARANTINE_SCHEMA, SEEN_SCHEMA
+from millpond.lake.schemas import (
+    BATCHES_SCHEMA,
+    CURRENT_PARTITIONS,
+    QUARANTINE_SCHEMA,
+    SEEN_SCHEMA,
+    WINDOWS_STATS_COLUMNS,
+)
 from millpond.lake.tables import Txn
 from millpond.model.clock import BatchClock
 from millpond.model.panes import TS
@@ -39,7 +45,7 @@ def commit_outputs(job: BatchContext, txn: Txn, out: Assembly) -> dict[str, int]
     if state.num_rows:
         step("windows", lambda: job.tables.merge(
             name, "windows", state, on=["key", "window_start", "window_end"], delete_when="s.deleted", txn=txn,
-            stats_columns=["key", "window_start", "window_end", "event_timer", "ptime_timer"]))
+            stats_columns=WINDOWS_STATS_COLUMNS))
     return {"late": late.num_rows, "panes": out.values, "retractions": out.retractions}
 
 
@@ -49,20 +55,35 @@ def commit_inputs(job: BatchContext, batch: int, txn: Txn, bad: list[tuple], acc
     with the earlier ids still within the horizon, when the dedup step decided so)."""
     name = job.name
     if bad:
-        job.commits.step("quarantine", lambda: job.tables.append(name, "quarantine", pa.table(
-            {"source_file": [b[0] for b in bad], "line": pa.array([b[1] for b in bad], pa.int64()),
-             "raw": [b[2] for b in bad], "reason": [b[3] for b in bad],
-             "batch": pa.array([batch] * len(bad), pa.int64())}, schema=QUARANTINE_SCHEMA), txn=txn))
+        job.commits.step("quarantine", lambda: job.tables.append(name, "quarantine", quarantine_rows(bad, batch),
+                                                                 txn=txn))
     if not accepted.num_rows:
         return
-    own = pa.table({"id": accepted.column("id"), "event_time": accepted.column("event_time").cast(TS),
-                    "batch": pa.array(np.full(accepted.num_rows, batch, np.int64))}, schema=SEEN_SCHEMA)
+    own = seen_rows(accepted, batch)
     if kept is None:
         job.commits.step("seen_ids", lambda: job.tables.append(name, "seen_ids", own, txn=txn, unique=["id"]))
     else:  # ids expire here: older ones are dropped with the files that held them
-        rows = pa.concat_tables([kept.select(SEEN_SCHEMA.names).cast(SEEN_SCHEMA), own]).sort_by("event_time")
+        rows = seen_rows_kept(kept, own)
         job.commits.step("seen_ids", lambda: job.tables.replace(name, "seen_ids", rows, own, seen_version, txn=txn,
                                                                 unique=["id"]))
+
+
+def quarantine_rows(bad: list[tuple], batch: int) -> pa.Table:
+    """The ``quarantine`` rows of the batch's bad lines (file, line, raw text, reason)."""
+    return pa.table({"source_file": [b[0] for b in bad], "line": pa.array([b[1] for b in bad], pa.int64()),
+                     "raw": [b[2] for b in bad], "reason": [b[3] for b in bad],
+                     "batch": pa.array([batch] * len(bad), pa.int64())}, schema=QUARANTINE_SCHEMA)
+
+
+def seen_rows(accepted: pa.Table, batch: int) -> pa.Table:
+    """The ``seen_ids`` rows of the batch's accepted elements."""
+    return pa.table({"id": accepted.column("id"), "event_time": accepted.column("event_time").cast(TS),
+                     "batch": pa.array(np.full(accepted.num_rows, batch, np.int64))}, schema=SEEN_SCHEMA)
+
+
+def seen_rows_kept(kept: pa.Table, own: pa.Table) -> pa.Table:
+    """``seen_ids`` when the batch replaces its files: the earlier ids within the horizon, then its own."""
+    return pa.concat_tables([kept.select(SEEN_SCHEMA.names).cast(SEEN_SCHEMA), own]).sort_by("event_time")
 
 
 def commit_marker(job: BatchContext, txn: Txn, clock: BatchClock, max_et: int | None, counts: dict[str, Any],

@@ -1,0 +1,279 @@
+"""A small batch as one Spark task: the executor reads the batch's files, runs the local engine's steps over
+them, writes every output table's data files, and returns their add actions and the batch's counts; the batch's
+process (the Connect client, holding the lease) commits each table's files as for the multi-stage plan.
+
+Why: a batch of a few thousand events spends nearly all of the multi-stage plan's time (``spark_batch``: eight
+or so Spark jobs) in per-job round trips (the server's planning, scheduling, a Python worker per stage), not in
+its rows. Below ``engine.one_task_below`` rows (the files' events, estimated from their size, plus the stored
+windows) the batch is one Spark job of one task instead. Reads and writes stay on the executor; the client
+holds the file list and a few counts. Tables kept by MERGE on the local engine (``windows``, ``current``) are
+rewritten copy-on-write, as by the plan. Both give the local engine's tables (``tests/test_cores.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from millpond.config import Settings
+from millpond.lake import spark_io
+from millpond.lake.file_commits import commit_files, live_files
+from millpond.lake.objectstore import ObjectStore
+from millpond.lake.schemas import (
+    CURRENT_PARTITIONS,
+    QUARANTINE_SCHEMA,
+    SEEN_SCHEMA,
+    WINDOWS_STATS_COLUMNS,
+    current_file_schema,
+    late_schema,
+)
+from millpond.lake.snapshot_files import Storage, data_files, read_file, table_schema
+from millpond.lake.tables import Tables, Txn
+from millpond.model.clock import BatchClock
+from millpond.model.panes import pane_schema
+from millpond.model.spec import pipeline_from_dict
+from millpond.model.state import WINDOWS_SCHEMA
+from millpond.runtime.spark_watchdog import watched
+
+if TYPE_CHECKING:
+    from millpond.runtime.commits import PhaseTimer
+    from millpond.runtime.context import BatchContext
+
+#: the key of a stored window (``windows``' MERGE key)
+WINDOW_KEY = ["key", "window_start", "window_end"]
+
+
+def fits_one_task(settings: Settings, rows: int, validate: bool) -> bool:
+    """Whether a batch of about ``rows`` rows (events plus stored windows) runs as one task: below the setting,
+    and not validated (validation runs Great Expectations' Spark engine on the plan's DataFrames)."""
+    return not validate and rows < settings.engine_one_task_below
+
+
+@dataclass(frozen=True)
+class TaskInput:
+    """What the executor needs of the batch: plain values, pickled into the task."""
+
+    settings: Settings
+    spec: dict[str, Any]
+    batch: int
+    plan: dict[str, Any]
+    prev: dict[str, Any] | None
+    w_in: int
+    processing_time: int
+    #: the explicit watermark, as given to the batch (``runtime.steps.watermark.clock_for`` reads it)
+    watermark: Any
+    #: the current view's data files at ``current_version`` (URI, partition values) and its schema
+    current: list[tuple[str, dict[str, Any]]]
+    current_schema: pa.Schema | None
+
+
+class _NoCommits:
+    """The executor commits nothing: the steps' waits for the plan's commit and the upkeep step are the
+    client's."""
+
+    def plan_landed(self) -> None:
+        return None
+
+    def upkeep_landed(self) -> None:
+        return None
+
+
+class TaskBatch:
+    """The batch's context (``runtime.context.BatchContext``) as the steps use it on an executor: reads at the
+    plan's versions, no commits, no forked workers (a Spark task is one core)."""
+
+    spark = None
+    validate = False
+    render_docs = False
+
+    def __init__(self, given: TaskInput) -> None:
+        self.settings = given.settings.with_overrides(driver_workers=0)
+        self.spec = pipeline_from_dict(given.spec)
+        self.strategy = self.spec.strategy()
+        self.name = self.spec.name
+        self.label = f"{self.name} batch {given.batch}"
+        self.tables = Tables(self.settings, auto_checkpoint=False)
+        self.store = ObjectStore(self.settings)
+        self.commits = _NoCommits()
+
+
+# on the executor ------------------------------------------------------------------------------------------------
+def run_task(given: TaskInput, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Runs in the executor: the whole batch; one row per data file written (``spark_io.WRITTEN``), then one
+    row (table "") holding the batch's counts, clock and the phases timed here, as JSON."""
+    from millpond.runtime.steps import compute, dedup, read, watermark
+
+    for _ in batches:  # the one partition's index
+        pass
+    job = TaskBatch(given)
+    phases: dict[str, float] = {}
+    t = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        phases[name] = now - t
+        t = now
+
+    good, bad = read.read_files(job, given.plan, given.processing_time)
+    lap("ingest")
+    seen_version = given.plan["versions"].get("seen_ids")
+    accepted, kept = dedup.dedup(job, good, seen_version, given.w_in)
+    lap("dedup")
+    clock, max_et = watermark.advance_watermark(job, given.batch, given.processing_time, given.w_in, given.prev,
+                                                accepted, given.plan, given.watermark)
+    lap("watermark")
+    out, state_read = compute.compute(job, given.batch, clock, accepted, given.plan)
+    lap("windowing")
+    written, touched = _write(job, given, out, bad, accepted, kept)
+    lap("write")
+    meta = {"watermark": clock.watermark, "max_event_time": max_et, "touched": sorted(touched),
+            "seen_replaced": kept is not None and accepted.num_rows > 0, "phases": phases,
+            "counts": {"input": good.num_rows + len(bad), "accepted": accepted.num_rows,
+                       "duplicates": good.num_rows - accepted.num_rows, "quarantined": len(bad),
+                       "late": out.late.num_rows, "panes": out.values, "retractions": out.retractions,
+                       "state_rows_read": state_read}}
+    rows = [*written, ("", json.dumps(meta))]
+    yield pa.RecordBatch.from_arrays([pa.array([r[0] for r in rows], pa.string()),
+                                      pa.array([r[1] for r in rows], pa.string())], schema=spark_io.WRITTEN)
+
+
+def _write(job: TaskBatch, given: TaskInput, out, bad: list[tuple], accepted: pa.Table, kept: pa.Table | None
+           ) -> tuple[list[tuple[str, str]], set[tuple[str, str]]]:
+    """Every output table's data files (the local engine's commits, as files): (table, add action) per file,
+    and the current view's (day, hour) partitions the batch rewrote."""
+    from millpond.runtime.steps.commit import quarantine_rows, seen_rows, seen_rows_kept, time_partitions
+
+    tables: dict[str, tuple[pa.Table, list[str]]] = {}
+    if out.late.num_rows:
+        tables["late"] = out.late, []
+    if out.panes.num_rows:
+        tables["panes"] = out.panes, []
+    if bad:
+        tables["quarantine"] = quarantine_rows(bad, given.batch), []
+    if accepted.num_rows:
+        own = seen_rows(accepted, given.batch)
+        tables["seen_ids"] = (own if kept is None else seen_rows_kept(kept, own)), []
+    if out.state.num_rows:
+        tables["windows"] = _windows(job, given, out.state), []
+    touched: set[tuple[str, str]] = set()
+    if out.current.num_rows:
+        rows, _ = time_partitions(out.current, CURRENT_PARTITIONS)
+        touched = {(d.isoformat(), str(h)) for d, h in zip(rows.column("window_end_day").to_pylist(),
+                                                             rows.column("window_end_hour").to_pylist(), strict=True)}
+        tables["current"] = _current(job, given, rows, touched), list(CURRENT_PARTITIONS)
+    storage = Storage.of(job.settings)
+
+    def one(name: str) -> list[tuple[str, str]]:
+        rows, partition_by = tables[name]
+        uri = job.settings.table_uri(job.name, name)
+        return [(name, action) for action in spark_io.write_table(storage, uri, rows, partition_by)]
+
+    with ThreadPoolExecutor(max_workers=max(1, len(tables))) as pool:
+        written = [row for rows in pool.map(one, sorted(tables)) for row in rows]
+    return written, touched
+
+
+def _windows(job: TaskBatch, given: TaskInput, changes: pa.Table) -> pa.Table:
+    """``windows`` after the batch: the stored rows it did not change, plus its upserts (the local engine's
+    MERGE, as a rewrite), by key and window."""
+    new = changes.filter(pc.invert(changes.column("deleted")))
+    version = given.plan["versions"].get("windows")
+    if version is not None:
+        old = job.tables.read_arrow(job.name, "windows", version=version, schema=WINDOWS_SCHEMA)
+        old = old.select(WINDOWS_SCHEMA.names).cast(WINDOWS_SCHEMA)
+        unchanged = old.join(changes.select(WINDOW_KEY), keys=WINDOW_KEY, join_type="left anti")
+        new = pa.concat_tables([unchanged.select(WINDOWS_SCHEMA.names), new])
+    return new.sort_by([(k, "ascending") for k in WINDOW_KEY])
+
+
+def _current(job: TaskBatch, given: TaskInput, rows: pa.Table, touched: set[tuple[str, str]]) -> pa.Table:
+    """The touched partitions of the current view after the batch: their stored rows not replaced by the
+    batch's, plus its rows that are not deletions (the local engine's MERGE, as a rewrite)."""
+    on = [*WINDOW_KEY, *(["pane_index"] if job.spec.mode.value == "discarding" else [])]
+    schema = current_file_schema(job.spec.pane_value_type)
+    new = rows.filter(pc.invert(rows.column("deleted"))).select(schema.names).cast(schema)
+    parts = [(uri, pv) for uri, pv in given.current
+             if (str(pv.get("window_end_day")), str(pv.get("window_end_hour"))) in touched]
+    if parts and given.current_schema is not None:
+        storage = Storage.of(job.settings)
+        batches = []
+        for uri, pv in parts:
+            filesystem, path = storage.filesystem(uri)
+            batches += list(read_file(filesystem, path, given.current_schema, pv))
+        old = pa.Table.from_batches(batches, schema=given.current_schema).select(schema.names).cast(schema)
+        kept = old.join(rows.select(on), keys=on, join_type="left anti")
+        new = pa.concat_tables([kept.select(schema.names), new])
+    return new.set_column(schema.get_field_index("deleted"), "deleted",
+                          pa.array([False] * new.num_rows, pa.bool_())).sort_by(
+        [(k, "ascending") for k in (*CURRENT_PARTITIONS, *on)])
+
+
+# on the client --------------------------------------------------------------------------------------------------
+def run_one_task(job: BatchContext, txn: Txn, the_plan: dict[str, Any], prev: dict[str, Any] | None, w_in: int,
+                 processing_time: int, explicit_watermark, timer: PhaseTimer
+                 ) -> tuple[dict[str, int], BatchClock, int | None]:
+    """The batch as one Spark task, then its commits queued with the batch's others; counts, clock, max event
+    time. A Connect server that stops answering meanwhile fails the batch within ``spark.timeout``."""
+    current = job.tables.open(job.name, "current")
+    if current is not None and tuple(current.metadata().partition_columns) != CURRENT_PARTITIONS:
+        raise NotImplementedError("the Spark engine rewrites only current views partitioned by window_end")
+    given = TaskInput(job.settings, job.spec.raw, job.batch, the_plan, prev, w_in, processing_time,
+                      explicit_watermark,
+                      [] if current is None else data_files(current),
+                      None if current is None else table_schema(current))
+    task = functools.partial(run_task, given)
+    with watched(job.spark, job.settings.spark_connect_url, job.settings.spark_timeout_s):
+        rows = job.spark.range(0, 1, 1, 1).mapInArrow(task, spark_io.spark_schema(spark_io.WRITTEN)).collect()
+    written: dict[str, list[dict[str, Any]]] = {}
+    meta: dict[str, Any] = {}
+    for r in rows:
+        if r["tbl"]:
+            written.setdefault(r["tbl"], []).append(json.loads(r["action"]))
+        else:
+            meta = json.loads(r["action"])
+    timer.split("spark_task", meta["phases"], tasks=1)
+    clock = BatchClock(batch=job.batch, processing_time=processing_time, input_watermark=w_in,
+                       watermark=meta["watermark"])
+    job.commits.defer()
+    _queue_commits(job, txn, the_plan, written, meta, current)
+    counts = {"files": len(the_plan["files"]), **meta["counts"]}
+    return counts, clock, meta["max_event_time"]
+
+
+def _queue_commits(job: BatchContext, txn: Txn, the_plan: dict[str, Any], written: dict[str, list[dict[str, Any]]],
+                   meta: dict[str, Any], current) -> None:
+    """Each written table's files as one commit under the batch's transaction, replacing the files its rewrite
+    read (``windows`` and ``seen_ids`` at the plan's versions; the touched partitions of ``current``)."""
+    versions = the_plan["versions"]
+    pane_type, value_type = job.spec.pane_value_type, job.spec.value_type
+    touched = {tuple(p) for p in meta["touched"]}
+    commit = functools.partial(commit_files, job.tables, job.name)
+    specs: dict[str, dict[str, Any]] = {
+        "late": {"schema": late_schema(value_type)},
+        "panes": {"schema": pane_schema(pane_type)},
+        "quarantine": {"schema": QUARANTINE_SCHEMA},
+        "seen_ids": {"schema": SEEN_SCHEMA, "removes": live_files(job.tables, job.name, "seen_ids",
+                                                                   versions.get("seen_ids"))
+                     if meta["seen_replaced"] else []},
+        "windows": {"schema": WINDOWS_SCHEMA, "stats_columns": WINDOWS_STATS_COLUMNS,
+                    "removes": live_files(job.tables, job.name, "windows", versions.get("windows"))
+                    if "windows" in written else []},
+        "current": {"schema": current_file_schema(pane_type), "partition_by": CURRENT_PARTITIONS,
+                    "removes": [] if current is None or not touched else [
+                        a for a in live_files(job.tables, job.name, "current", current.version())
+                        if (a["partition_values"].get("window_end_day"),
+                            a["partition_values"].get("window_end_hour")) in touched]},
+    }
+    for table in ("late", "panes", "quarantine", "seen_ids", "windows", "current"):
+        if table in written:
+            kw = specs[table]
+            job.commits.step(table, functools.partial(commit, table, written[table], kw.pop("schema"), txn, **kw))
