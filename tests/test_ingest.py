@@ -46,19 +46,30 @@ CORPUS = {
 }
 
 
-@pytest.fixture(params=["local", "spark", "spark_plan"])
-def engine(request, settings):
-    """Both engines: the in-process one, and the whole batch on Spark (a session from the fixture) as one task
-    (a small batch's default) and as the multi-stage plan."""
-    if request.param == "local":
+def _engine(request, settings, kind: str):
+    """(settings, Spark session or None) for the in-process engine, or the whole batch on Spark (a session from
+    the fixture) as one task (a small batch's default) or as the multi-stage plan."""
+    if kind == "local":
         return settings.with_overrides(engine="local"), None
-    one_task_below = 0 if request.param == "spark_plan" else settings.engine_one_task_below
+    one_task_below = 0 if kind == "spark_plan" else settings.engine_one_task_below
     return (settings.with_overrides(engine="spark", engine_one_task_below=one_task_below),
             request.getfixturevalue("spark"))
 
 
-def test_bad_input_corpus_is_quarantined_with_reasons(engine, tables, pipeline_name) -> None:
-    settings, spark = engine
+@pytest.fixture(params=["local", "spark", "spark_plan"])
+def every_path(request, settings):
+    """The local engine, and both of the Spark engine's paths."""
+    return _engine(request, settings, request.param)
+
+
+@pytest.fixture(params=["local", "spark"])
+def engine(request, settings):
+    """Both engines (a small batch on Spark: its one task; a validated one: the plan)."""
+    return _engine(request, settings, request.param)
+
+
+def test_bad_input_corpus_is_quarantined_with_reasons(every_path, tables, pipeline_name) -> None:
+    settings, spark = every_path
     spec = pipeline_from_dict({"name": pipeline_name, "window": {"type": "fixed", "size": "1m"},
                                "aggregation": "sum", "value_type": "int", "source": {"prefix": f"{pipeline_name}/"},
                                "watermark": {"policy": "processing_time", "lag": "1m"}})
