@@ -59,7 +59,7 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
                           watermark=None if watermark is None else to_datetime(watermark), spark=spark,
                           validate=bool(req.get("validate")))
             batches.append({"pipeline": index, "batch": r.batch, "seconds": round(time.perf_counter() - t, 4),
-                            "ended_at": time.time(), "path": "spark_engine" if "dedup" not in r.phases else "driver",
+                            "ended_at": time.time(), "path": _path(r.phases),
                             "phases": {k: round(v, 4) for k, v in r.phases.items()}, "counts": r.counts})
         out["batches"] = batches
     else:
@@ -94,6 +94,13 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # elsewhere (Linux: KiB)
 
 
+def _path(phases: dict[str, float]) -> str:
+    """Which engine ran a batch, by its phases: the Spark engine's one task, its multi-stage plan, or in-process."""
+    if "spark_task" in phases:
+        return "spark_one_task"
+    return "spark_engine" if "dedup" not in phases else "driver"
+
+
 def main(argv: list[str]) -> int:
     req = json.loads(Path(argv[0]).read_text())
     Path(argv[1]).write_text(json.dumps(run(req), default=str))
@@ -102,3 +109,4 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+

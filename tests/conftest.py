@@ -31,13 +31,14 @@ LONGEST_FIRST = ("test_spark_engine", "test_airflow_dagtest", "test_airflow_ui",
                  "test_flink_peer")
 
 
-def _stem(path: str) -> str:
-    return path.split("::", 1)[0].rpartition("/")[2].removesuffix(".py")
+def _stem(nodeid: str) -> str:
+    """A test's module name, from its node id (``tests/test_x.py::test_y`` -> ``test_x``)."""
+    return nodeid.split("::", 1)[0].rpartition("/")[2].removesuffix(".py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        module = _stem(item.nodeid)
         if module in MODEL_TEST_MODULES and not SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.unit)
     rank = {m: i for i, m in enumerate(LONGEST_FIRST)}

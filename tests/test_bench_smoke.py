@@ -70,7 +70,8 @@ def test_bench_spark_engine_smoke(settings, tmp_path) -> None:
     records = {r["measure"]: r for r in doc["records"]}
     engine = records["sessions_1m_spark_engine_vs_bare_spark"]
     assert engine["ours"] > 0 and engine["peer"] > 0 and engine["target"] and "not 1M" in engine["notes"]
-    assert doc["measures"]["spark_engine_sessions"]["ours"]["batches"][0]["path"] == "spark_engine"
+    # 2k events: the Spark engine's one task (the 1M batch of ``make bench``: its multi-stage plan)
+    assert doc["measures"]["spark_engine_sessions"]["ours"]["batches"][0]["path"] == "spark_one_task"
     assert doc["measures"]["spark_engine_sessions"]["ours"]["batches"][0]["counts"]["input"] == 2_020
     assert 0 < records["driver_rss_1m"]["ours"] < 1.5  # the client's own RSS, not the server JVM's
     tiny = records["tiny_batch_spark_engine_s"]

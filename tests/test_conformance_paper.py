@@ -143,13 +143,12 @@ def test_fig14_sessions_retracting_via_cli(settings, tmp_path) -> None:
     assert sorted(v for v in final.values() if v) == [12, 39]
 
 
-@pytest.mark.parametrize(("partitions", "one_task"), [(1, False), (3, False), (1, True)],
-                         ids=["plan-1", "plan-3", "one_task"])
+@pytest.mark.parametrize(("partitions", "one_task"), [(3, False), (1, True)], ids=["plan-3", "one_task"])
 def test_fig14_on_spark_matches_driver_path(settings, spark, tables, pipeline_name, monkeypatch, partitions,
                                             one_task) -> None:
     """The Spark engine gives the same tables at any parallelism (the batch's shuffle width is its size's, capped
-    by ``spark.shuffle_partitions``: one row per task makes the cap the width here), and as a small batch's one
-    task."""
+    by ``spark.shuffle_partitions``: one row per task makes the cap the width here; a plan of one partition is
+    ``tests/test_cores.py``'s), and as a small batch's one task."""
     from millpond.runtime.engines import spark_batch
 
     monkeypatch.setattr(spark_batch, "ROWS_PER_TASK", 1)

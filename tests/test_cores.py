@@ -12,6 +12,7 @@ from millpond.model.spec import pipeline_from_dict
 from millpond.model.timeutil import to_datetime
 from millpond.runtime import cores, layout
 from millpond.runtime.job import run_batch
+from session_specs import SESSIONS
 
 from bench.workload import WorkloadSpec, generate, land
 
@@ -61,12 +62,6 @@ def test_a_worker_error_reaches_the_job() -> None:
 
     with pytest.raises(ValueError, match="bad key range 2..4"):
         cores.map_ranges(work, [1] * 4, workers=1, min_range=1)
-
-
-SESSIONS = {"window": {"type": "sessions", "gap": "5m"}, "aggregation": "sum",
-            "trigger": "AtWatermark(early=AfterDelay('1m'), late=AtCount(1))",
-            "accumulation": "accumulating_and_retracting", "batch_interval": "5m",
-            "watermark": {"policy": "processing_time", "lag": "2m"}}
 
 
 def _count_calls(monkeypatch, owner, name: str, measure) -> list[int]:

@@ -16,6 +16,7 @@ from millpond.lake.objectstore import ObjectStore
 from millpond.model.spec import pipeline_from_dict
 from millpond.model.timeutil import to_datetime, to_us
 from millpond.runtime.job import run_batch
+from session_specs import SESSIONS
 
 from bench.workload import WorkloadSpec, generate, land
 
@@ -127,13 +128,6 @@ def test_rerun_is_skipped_and_files_are_taken_once(engine, tables, pipeline_name
     assert tables.read_arrow(pipeline_name, "batches").num_rows == 2
 
 
-#: sessions with early, on-time and late panes: batch after batch they touch the same ``current`` partitions
-CURRENT_SESSIONS = {"window": {"type": "sessions", "gap": "5m"}, "aggregation": "sum",
-                    "trigger": "AtWatermark(early=AfterDelay('1m'), late=AtCount(1))",
-                    "accumulation": "accumulating_and_retracting", "batch_interval": "5m",
-                    "watermark": {"policy": "processing_time", "lag": "2m"}}
-
-
 @pytest.mark.parametrize("one_task", [False, True], ids=["plan", "one_task"])
 def test_spark_rewrites_a_touched_current_partition_as_one_file(settings, tables, spark, pipeline_name,
                                                                  one_task) -> None:
@@ -143,7 +137,7 @@ def test_spark_rewrites_a_touched_current_partition_as_one_file(settings, tables
     spec_w = WorkloadSpec(events=4_000, keys=100, batches=4, seed=11)
     store = ObjectStore(settings)
     land(store, settings.bucket_landing, f"{pipeline_name}/", spec_w, generate(spec_w))
-    spec = pipeline_from_dict({"name": pipeline_name, "source": {"prefix": f"{pipeline_name}/"}, **CURRENT_SESSIONS,
+    spec = pipeline_from_dict({"name": pipeline_name, "source": {"prefix": f"{pipeline_name}/"}, **SESSIONS,
                                "allowed_lateness": "1h"})
     chosen = settings.with_overrides(engine="spark", engine_local_below=0,
                                      engine_one_task_below=10**6 if one_task else 0)

@@ -31,9 +31,8 @@ from millpond.config import load_settings
 from millpond.model.spec import pipeline_from_dict
 from millpond.runtime.spark_client import connect
 from millpond.surface.replay import read_events, replay
-doc, events, url = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
-# the multi-stage plan, whose stages spread over the workers (a batch this small would otherwise be one task)
-settings = load_settings().with_overrides(engine="spark", spark_connect=url, engine_one_task_below=0)
+doc, events, url, one_task_below = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+settings = load_settings().with_overrides(engine="spark", spark_connect=url, engine_one_task_below=one_task_below)
 replay(settings, pipeline_from_dict(doc), read_events(events), spark=connect(settings))
 print("ok")
 """
@@ -55,9 +54,9 @@ def _compare(tables, local: str, other: str) -> None:
         assert _table(tables, local, table) == _table(tables, other, table), table
 
 
-def _run_client(url: str, name: str) -> None:
+def _run_client(url: str, name: str, one_task_below: int) -> None:
     out = subprocess.run([sys.executable, "-c", CLIENT, json.dumps(_doc(name)),
-                          str(SCENARIOS / "fig14_sessions_retracting.jsonl"), url],
+                          str(SCENARIOS / "fig14_sessions_retracting.jsonl"), url, str(one_task_below)],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
@@ -88,18 +87,19 @@ def _cluster(settings, home: Path) -> Iterator[tuple[StandaloneCluster, str]]:
 def test_a_cluster_of_two_workers_matches_the_local_engine_even_when_one_is_killed(settings, tables, pipeline_name,
                                                                                     tmp_path) -> None:
     """Two streams on one cluster (its JVMs cost more than either stream), each against the local engine's
-    tables: the first with both workers up; the second with one of the two worker JVMs SIGKILLed once its first
-    batch has committed, so that Spark retries the lost tasks on the other worker (or a batch reruns under its
-    application transaction)."""
+    tables: the first with both workers up, each batch one task on a worker (a small batch's default); the second
+    as the multi-stage plan, whose stages spread over both workers, with one of the two worker JVMs SIGKILLed
+    once its first batch has committed, so that Spark retries the lost tasks on the other worker (or a batch
+    reruns under its application transaction)."""
     import time
 
     local = _local_run(settings, f"{pipeline_name}_local")
     name = f"{pipeline_name}_killed"
     with _cluster(settings, tmp_path) as (cluster, url):
-        _run_client(url, f"{pipeline_name}_cluster")
+        _run_client(url, f"{pipeline_name}_cluster", settings.engine_one_task_below)
         _compare(tables, local, f"{pipeline_name}_cluster")
         client = subprocess.Popen([sys.executable, "-c", CLIENT, json.dumps(_doc(name)),
-                                   str(SCENARIOS / "fig14_sessions_retracting.jsonl"), url],
+                                   str(SCENARIOS / "fig14_sessions_retracting.jsonl"), url, "0"],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
         deadline = time.monotonic() + 300
         while tables.version(name, "batches") is None and time.monotonic() < deadline and client.poll() is None:

@@ -11,6 +11,14 @@ class StoreUnreachable(MillpondError):
     pass
 
 
+class ApiRefused(MillpondError):
+    """A service's HTTP API answered with an error status (``status``), which a caller may handle by number."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class BadCredentials(MillpondError):
     pass
 

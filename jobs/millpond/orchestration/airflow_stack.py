@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from millpond.config import PROJECT_ROOT, Settings
-from millpond.errors import MillpondError, PrerequisiteMissing
+from millpond.errors import ApiRefused, MillpondError, PrerequisiteMissing
 from millpond.orchestration.processes import port_free, read_pid, run_dir, stop_group
 
 # Start order; stop goes the other way (the api-server last: running tasks report to it).
@@ -352,7 +352,7 @@ class AirflowStack:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:300]
-            raise MillpondError(f"Airflow API {method} {path} answered {exc.code}: {detail}") from exc
+            raise ApiRefused(f"Airflow API {method} {path} answered {exc.code}: {detail}", exc.code) from exc
         except (urllib.error.URLError, OSError) as exc:
             if isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
                 raise MillpondError(f"Airflow API at {self.url} did not answer {method} {path} within {timeout:.0f}s: "

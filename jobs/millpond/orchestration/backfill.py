@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from millpond.config import Settings
-from millpond.errors import MillpondError
+from millpond.errors import ApiRefused, MillpondError
 from millpond.orchestration.airflow_stack import AirflowStack
 from millpond.orchestration.dagfactory import DAG_PREFIX, TASK_ID, pipelines_dir, read_pipeline_info
 
@@ -105,7 +105,7 @@ class Backfill:
                 self.api("GET", f"/dags/{self.dag_id}")
                 return
             except MillpondError as exc:
-                if " 404" not in str(exc) or time.monotonic() > deadline:
+                if status_of(exc) != 404 or time.monotonic() > deadline:
                     raise MillpondError(f"DAG {self.dag_id} is not known to Airflow ({exc})") from exc
             time.sleep(2.0)
 
@@ -122,35 +122,35 @@ class Backfill:
         }
 
     def create(self, attempts: int = 6) -> dict[str, Any]:
-        refused = ""  # how Airflow last refused this create on a locked database: "" (it did not), 503, 500
+        refused: int | None = 0  # how Airflow last refused this create on a locked database: 0 (it did not), 503, 500
         for attempt in range(attempts):
             try:
                 return self.api("POST", "/backfills", self.body())
             except MillpondError as exc:
-                if " 409" in str(exc) and refused and (left := self.left_running()) is not None:
-                    if refused == "500":  # refused at its audit-log write: the backfill and its runs committed
+                if status_of(exc) == 409 and refused and (left := self.left_running()) is not None:
+                    if refused == 500:  # refused at its audit-log write: the backfill and its runs committed
                         return left
                     # refused at its runs (503): they were rolled back, the backfill row stayed, and it would
                     # never run anything; cancelled (it has no runs to fail), then created again
                     try:
                         self.api("PUT", f"/backfills/{left['id']}/cancel")
-                        refused = ""
+                        refused = 0
                     except MillpondError:  # locked again, or completed meanwhile: ask again
                         time.sleep(1.0 + 2 * attempt)
                     continue
-                if " 409" in str(exc) and attempt < attempts - 1:  # the previous backfill's end can lag its runs
+                if status_of(exc) == 409 and attempt < attempts - 1:  # the previous backfill's end can lag its runs
                     time.sleep(2.0 + 2 * attempt)
                     continue
-                if " 409" in str(exc):
+                if status_of(exc) == 409:
                     raise MillpondError(f"a backfill of {self.dag_id} is already running: wait for it or cancel "
                                         "it in the UI (Browse -> Backfills)") from exc
                 # On SQLite, Airflow refuses to create a backfill while the scheduler holds the database
                 # ("Database is locked", 503; or a 500 "Database error" when the lock hits its audit-log
                 # write): a passing condition, so wait and ask again.
-                text = str(exc).lower()
-                if ((" 503" in text and "locked" in text) or (" 500" in text and "database error" in text)) \
+                text, status = str(exc).lower(), status_of(exc)
+                if ((status == 503 and "locked" in text) or (status == 500 and "database error" in text)) \
                         and attempt < attempts - 1:
-                    refused = "503" if " 503" in text else "500"
+                    refused = status
                     time.sleep(1.0 + 2 * attempt)
                     continue
                 raise
@@ -216,7 +216,7 @@ class Backfill:
             try:
                 completed = self.api("GET", f"/backfills/{backfill_id}").get("completed_at")
             except MillpondError as exc:
-                if " 404" in str(exc):
+                if status_of(exc) == 404:
                     raise BackfillGone(f"backfill {backfill_id} of {self.dag_id} is gone from Airflow") from exc
                 raise
             if completed and all(v in TERMINAL for v in states.values()):
@@ -330,3 +330,8 @@ class Backfill:
             raise MillpondError(f"{len(failed)} of {len(states)} backfill runs of {self.dag_id} failed "
                                 f"(e.g. {failed[0]}): see the task logs in the UI")
         return states
+
+
+def status_of(exc: BaseException) -> int | None:
+    """The HTTP status an API call failed with (``errors.ApiRefused``), or None (unreachable, timed out)."""
+    return exc.status if isinstance(exc, ApiRefused) else None

@@ -133,9 +133,10 @@ def run_task(given: TaskInput, batches: Iterable[pa.RecordBatch]) -> Iterator[pa
     lap("watermark")
     out, state_read = compute.compute(job, given.batch, clock, accepted, given.plan)
     lap("windowing")
-    written, touched = _write(job, given, out, bad, accepted, kept)
+    written, changed, touched = _write(job, given, out, bad, accepted, kept)
     lap("write")
-    meta = {"watermark": clock.watermark, "max_event_time": max_et, "touched": sorted(touched),
+    meta = {"watermark": clock.watermark, "max_event_time": max_et, "changed": sorted(changed),
+            "touched": sorted(touched),
             "seen_replaced": kept is not None and accepted.num_rows > 0, "phases": phases,
             "counts": {"input": good.num_rows + len(bad), "accepted": accepted.num_rows,
                        "duplicates": good.num_rows - accepted.num_rows, "quarantined": len(bad),
@@ -147,9 +148,10 @@ def run_task(given: TaskInput, batches: Iterable[pa.RecordBatch]) -> Iterator[pa
 
 
 def _write(job: TaskBatch, given: TaskInput, out, bad: list[tuple], accepted: pa.Table, kept: pa.Table | None
-           ) -> tuple[list[tuple[str, str]], set[tuple[str, str]]]:
+           ) -> tuple[list[tuple[str, str]], set[str], set[tuple[str, str]]]:
     """Every output table's data files (the local engine's commits, as files): (table, add action) per file,
-    and the current view's (day, hour) partitions the batch rewrote."""
+    the tables the batch changes (a rewrite may leave no rows, hence no file), and the current view's (day,
+    hour) partitions the batch rewrote."""
     from millpond.runtime.steps.commit import quarantine_rows, seen_rows, seen_rows_kept, time_partitions
 
     tables: dict[str, tuple[pa.Table, list[str]]] = {}
@@ -174,12 +176,14 @@ def _write(job: TaskBatch, given: TaskInput, out, bad: list[tuple], accepted: pa
 
     def one(name: str) -> list[tuple[str, str]]:
         rows, partition_by = tables[name]
+        if not rows.num_rows:  # a rewrite that leaves nothing (every window closed): its commit only removes
+            return []
         uri = job.settings.table_uri(job.name, name)
         return [(name, action) for action in spark_io.write_table(storage, uri, rows, partition_by)]
 
     with ThreadPoolExecutor(max_workers=max(1, len(tables))) as pool:
         written = [row for rows in pool.map(one, sorted(tables)) for row in rows]
-    return written, touched
+    return written, set(tables), touched
 
 
 def _windows(job: TaskBatch, given: TaskInput, changes: pa.Table) -> pa.Table:
@@ -251,29 +255,27 @@ def run_one_task(job: BatchContext, txn: Txn, the_plan: dict[str, Any], prev: di
 
 def _queue_commits(job: BatchContext, txn: Txn, the_plan: dict[str, Any], written: dict[str, list[dict[str, Any]]],
                    meta: dict[str, Any], current) -> None:
-    """Each written table's files as one commit under the batch's transaction, replacing the files its rewrite
-    read (``windows`` and ``seen_ids`` at the plan's versions; the touched partitions of ``current``)."""
+    """Each changed table's files as one commit under the batch's transaction, replacing the files its rewrite
+    read (``windows`` and a folded ``seen_ids`` at the plan's versions; the touched partitions of ``current``)."""
     versions = the_plan["versions"]
-    pane_type, value_type = job.spec.pane_value_type, job.spec.value_type
     touched = {tuple(p) for p in meta["touched"]}
-    commit = functools.partial(commit_files, job.tables, job.name)
-    specs: dict[str, dict[str, Any]] = {
-        "late": {"schema": late_schema(value_type)},
-        "panes": {"schema": pane_schema(pane_type)},
-        "quarantine": {"schema": QUARANTINE_SCHEMA},
-        "seen_ids": {"schema": SEEN_SCHEMA, "removes": live_files(job.tables, job.name, "seen_ids",
-                                                                   versions.get("seen_ids"))
-                     if meta["seen_replaced"] else []},
-        "windows": {"schema": WINDOWS_SCHEMA, "stats_columns": WINDOWS_STATS_COLUMNS,
-                    "removes": live_files(job.tables, job.name, "windows", versions.get("windows"))
-                    if "windows" in written else []},
-        "current": {"schema": current_file_schema(pane_type), "partition_by": CURRENT_PARTITIONS,
-                    "removes": [] if current is None or not touched else [
-                        a for a in live_files(job.tables, job.name, "current", current.version())
-                        if (a["partition_values"].get("window_end_day"),
-                            a["partition_values"].get("window_end_hour")) in touched]},
-    }
-    for table in ("late", "panes", "quarantine", "seen_ids", "windows", "current"):
-        if table in written:
-            kw = specs[table]
-            job.commits.step(table, functools.partial(commit, table, written[table], kw.pop("schema"), txn, **kw))
+
+    def removes(table: str) -> list[dict[str, Any]]:
+        if table == "windows" or (table == "seen_ids" and meta["seen_replaced"]):
+            return live_files(job.tables, job.name, table, versions.get(table))
+        if table == "current" and current is not None:
+            return [a for a in live_files(job.tables, job.name, "current", current.version())
+                    if (a["partition_values"].get("window_end_day"),
+                        a["partition_values"].get("window_end_hour")) in touched]
+        return []
+
+    pane_type = job.spec.pane_value_type
+    schemas = {"late": late_schema(job.spec.value_type), "panes": pane_schema(pane_type),
+               "quarantine": QUARANTINE_SCHEMA, "seen_ids": SEEN_SCHEMA, "windows": WINDOWS_SCHEMA,
+               "current": current_file_schema(pane_type)}
+    layout: dict[str, dict[str, Any]] = {"windows": {"stats_columns": WINDOWS_STATS_COLUMNS},
+                                         "current": {"partition_by": CURRENT_PARTITIONS}}
+    for table in meta["changed"]:
+        job.commits.step(table, functools.partial(commit_files, job.tables, job.name, table, written.get(table, []),
+                                                  schemas[table], txn, removes=removes(table),
+                                                  **layout.get(table, {})))
