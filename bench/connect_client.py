@@ -7,7 +7,8 @@ a Connect session.
 
 ``REQ`` (JSON): ``url`` (sc://...), ``mode`` ("batches" or "bare"), and for "batches" ``pipelines`` (pipeline
 documents) and ``steps`` ([pipeline index, processing time us, watermark us or null], run in order),
-``validate``, ``preload`` (import the libraries Airflow's scheduler preloads for its forked tasks,
+``validate``, ``render_docs`` (default true; false as the DAG's task runs a batch: its pages are rendered by
+the publish after the commit), ``preload`` (import the libraries Airflow's scheduler preloads for its forked tasks,
 ``orchestration.airflow_preload``, before the clock: a DAG task's process has them); for "bare" ``kind``,
 ``prefix``, ``batch`` (null: every landing file) and ``runs``.
 ``OUT`` receives the result (JSON): wall-clock marks (``started_at``, ``imported_at``, ``connected_at``), each
@@ -57,7 +58,7 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
             t = time.perf_counter()
             r = run_batch(settings, specs[index], to_datetime(processing_time),
                           watermark=None if watermark is None else to_datetime(watermark), spark=spark,
-                          validate=bool(req.get("validate")))
+                          validate=bool(req.get("validate")), render_docs=bool(req.get("render_docs", True)))
             batches.append({"pipeline": index, "batch": r.batch, "seconds": round(time.perf_counter() - t, 4),
                             "ended_at": time.time(), "path": _path(r.phases),
                             "phases": {k: round(v, 4) for k, v in r.phases.items()}, "counts": r.counts})

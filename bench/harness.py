@@ -150,6 +150,9 @@ class Plan:
     #: the client's peak RSS again at this size (``--full``); 0 = skip
     spark_engine_big_events: int = 0
     spark_validation_events: int = 1_000_000
+    #: validated batches of that size, each a fresh pipeline in a fresh client (the median share counts: one
+    #: batch's share moved by 0.04 between runs minutes apart on this box)
+    spark_validation_runs: int = 3
     #: 1k-event batches on the Spark engine, one fresh client process each (tiny_events each); 0 = skip
     spark_tiny_runs: int = 7
     #: the bare-Spark peer's fresh clients for the tiny batch (its median)
@@ -168,7 +171,7 @@ PLANS = {
                   over_time_keys=500, over_time_repeats=1, beam_runs=1, beam_repeats=1, tiny_runs=4,
                   validation_events=10_000, long_history_batches=60, flink_events=50_000,
                   spark_engine_events=50_000, spark_tiny_runs=4, spark_validation_events=10_000,
-                  spark_over_time_repeats=1),
+                  spark_validation_runs=1, spark_over_time_repeats=1),
     "default": Plan("default"),
     "full": Plan("full", session_sizes=(10_000, 100_000, 1_000_000, 10_000_000), airflow=True,
                  spark_engine_big_events=10_000_000),

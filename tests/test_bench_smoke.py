@@ -63,7 +63,7 @@ def test_bench_spark_engine_smoke(settings, tmp_path) -> None:
     """The Spark-engine measures on 2k events: a Connect server the bench starts and stops, batches and the
     bare-Spark peer in Connect clients of their own (no classic session in this process's way)."""
     plan = replace(SMOKE, spark_engine_events=2_000, spark_engine_runs=1, spark_tiny_runs=2,
-                   spark_tiny_bare_runs=1, spark_validation_events=2_000)
+                   spark_tiny_bare_runs=1, spark_validation_events=2_000, spark_validation_runs=1)
     doc = run_bench(settings, plan, None, tmp_path, log=lambda m: None,
                     steps=["measure_spark_engine_sessions", "measure_spark_engine_tiny",
                            "measure_spark_engine_validation"])
@@ -79,6 +79,7 @@ def test_bench_spark_engine_smoke(settings, tmp_path) -> None:
     assert tiny["preload_s"] > 0  # the task's libraries imported first, as Airflow's scheduler has them, not counted
     share = records["validation_share_1m_spark"]  # the client imported what a DAG task inherits, then validated
     assert 0 < share["ours"] < 1 and share["preload_s"] > 0 and share["validation_seconds"] > 0
+    assert share["shares"] == [share["ours"]]  # one run in this plan: its share is the median
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if "SparkConnectServer" in " ".join(p.info["cmdline"] or []) and str(tmp_path) in
                 " ".join(p.info["cmdline"] or [])]  # the bench stopped its server

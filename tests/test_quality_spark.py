@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -109,6 +110,10 @@ def test_retraction_column_equals_pandas(spark) -> None:
     out = sc.prepare_panes(sdf(spark, panes), sdf(spark, prior))
     assert out.columns == [*panes.columns, "chk_retraction"] and out.count() == len(panes)
     assert dict(out.dtypes)["value"] == "double" and dict(out.dtypes)["seq"] == "bigint"
+    # panes a batch knows hold no retraction: the same (null) column, without the window that judges them
+    plain = panes[panes["kind"] != "retraction"].reset_index(drop=True)
+    skipped = sc.prepare_panes(sdf(spark, plain), sdf(spark, prior), retractions=False)
+    assert back(skipped)["chk_retraction"].tolist() == qs.retraction_check(plain, prior).tolist() == [None] * len(plain)
 
 
 def test_overlap_column_equals_pandas(spark) -> None:
@@ -394,11 +399,27 @@ def only_examples(messages: list[str], check: str, count: str) -> bool:
 
 def test_examples_are_looked_for_only_when_counted(settings, spark, pipeline_name, monkeypatch) -> None:
     """GX's Spark engine skips the example query of every expectation its count passed (no Spark job) and still
-    reports a failing one's examples, as the pandas engine does."""
+    reports a failing one's examples, as the pandas engine does. The three suites run at the same time, each
+    in a thread of its own, and a level's Spark jobs in threads of theirs."""
+    from great_expectations.checkpoint.checkpoint import Checkpoint
+    from great_expectations.execution_engine import SparkDFExecutionEngine
     from millpond.quality import validation
 
+    threads: dict[str, set[str]] = {"suites": set(), "levels": set()}
+    run, resolve_bundle = Checkpoint.run, SparkDFExecutionEngine.resolve_metric_bundle
+
+    def run_seen(self, *args, **kwargs):
+        threads["suites"].add(threading.current_thread().name)
+        return run(self, *args, **kwargs)
+
+    def bundle_seen(self, *args, **kwargs):
+        threads["levels"].add(threading.current_thread().name)
+        return resolve_bundle(self, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpoint, "run", run_seen)
+    monkeypatch.setattr(SparkDFExecutionEngine, "resolve_metric_bundle", bundle_seen)
     tallies: list[dict[str, int]] = []
-    original = validation.examples_after_counts
+    original = validation.resolved_on_spark
 
     @contextlib.contextmanager
     def tallied() -> Iterator[dict[str, int]]:
@@ -406,14 +427,16 @@ def test_examples_are_looked_for_only_when_counted(settings, spark, pipeline_nam
             yield tally
         tallies.append(tally)
 
-    monkeypatch.setattr(validation, "examples_after_counts", tallied)
+    monkeypatch.setattr(validation, "resolved_on_spark", tallied)
     # a Spark column has one type: event times all ISO strings here
     raw = good_raw().assign(event_time=["2026-01-01T12:00:30Z", "2026-01-01T12:05:00Z", "2026-01-01T12:20:00Z",
                                         "2026-01-01T12:59:00"])
     good = validate_batch(settings, pipeline_name, 1, raw=sdf(spark, raw), panes=sdf(spark, good_panes()),
                           state=sdf(spark, good_state()), prior_panes=sdf(spark, prior_panes()), processing_time=PT)
-    assert good.ok and not good.warnings and len(tallies) == 3
-    assert all(t["computed"] == 0 and t["skipped"] >= 7 for t in tallies), tallies
+    assert good.ok and not good.warnings and len(tallies) == 1  # the three suites at once, in one block
+    assert tallies[0]["computed"] == 0 and tallies[0]["skipped"] >= 3 * 7, tallies
+    assert len(threads["suites"]) == 3 and all(t.startswith("gx-suite") for t in threads["suites"]), threads
+    assert any(t.startswith("gx-level") for t in threads["levels"]), threads
     tallies.clear()
     raw = raw.assign(id=["e1", "e2", "e3", "e1"])
     ours = validate_batch(settings, pipeline_name, 2, raw=raw, panes=None, state=None, processing_time=PT)

@@ -90,6 +90,8 @@ class SparkConnectServer:
             "spark.default.parallelism": s.spark_shuffle_partitions,
             "spark.sql.session.timeZone": "UTC",
             "spark.sql.execution.arrow.pyspark.enabled": "true",
+            # Python UDFs (Great Expectations' JSON check) exchange rows with their worker as Arrow batches
+            "spark.sql.execution.pythonUDF.arrow.enabled": "true",
             "spark.sql.adaptive.enabled": "false",
             "spark.python.worker.reuse": "true",
             "spark.python.daemon.module": "millpond.runtime.spark_daemon",

@@ -57,8 +57,11 @@ def _close(a: Any, b: Any) -> Any:
     return F.coalesce(F.abs(a - b) <= F.lit(1e-12) + F.lit(1e-9) * F.abs(b), F.lit(False))
 
 
-def prepare_panes(panes: Any, prior: Any | None) -> Any:
+def prepare_panes(panes: Any, prior: Any | None, retractions: bool = True) -> Any:
     """Add ``chk_retraction``: MATCHED/UNMATCHED/MISMATCH for retractions, null for other panes.
+
+    ``retractions=False`` says the caller knows the panes hold none: the column is then null throughout,
+    without the window function (a sort of every pane) that judges them.
 
     In emission order per (key, window), the state a retraction meets is the last value or retraction
     before it: a value is outstanding (either sign of it matches), a retraction or nothing is not (then
@@ -69,7 +72,7 @@ def prepare_panes(panes: Any, prior: Any | None) -> Any:
     from pyspark.sql import functions as F
 
     needed = {"key", "window_start", "window_end", "kind", "value"}
-    if not needed <= _col_names(panes):
+    if not retractions or not needed <= _col_names(panes):
         return panes.withColumn("chk_retraction", F.lit(None).cast("string"))
     wins = ["key", "window_start", "window_end"]
     order = [c for c in ("batch", "seq") if c in _col_names(panes)]

@@ -11,8 +11,10 @@ Why this shape:
   The ``chk_*`` helper columns are computed by the same engine (:mod:`millpond.quality.suites` with
   pandas, :mod:`millpond.quality.spark_checks` with Spark's functions; a test keeps them equal). Spark
   pays a fixed cost per checkpoint (GX runs Spark jobs per metric graph level), pandas none; GX looks for
-  unexpected examples only when its count found some (:mod:`millpond.quality.gx_spark`), which halves it.
-- GX is not thread-safe, so one validation runs at a time per process; a file lock serialises
+  unexpected examples only when its count found some, and the suites and each level's jobs run side by side
+  (:mod:`millpond.quality.gx_spark`).
+- GX is not thread-safe, so one validation runs at a time per process (its Spark suites run in threads, each
+  on its own batch, which GX keeps apart); a file lock serialises
   the few writes (set-up, pruning, index builds) between processes sharing ``settings.home``.
 - Severity lives in each expectation's ``meta`` (and GX's own ``severity`` field): a critical
   failure makes ``QualityReport.ok`` false, a warning is only reported.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -43,7 +46,7 @@ from millpond.quality.context import (
     validation_page_path,
     validation_result_path,
 )
-from millpond.quality.gx_spark import examples_after_counts
+from millpond.quality.gx_spark import resolved_on_spark
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +116,7 @@ def validate_batch(
     window_type: str | None = None,
     future_tolerance: timedelta = DEFAULT_FUTURE_TOLERANCE,
     render: bool = True,
+    retractions: bool = True,
 ) -> QualityReport:
     """Validate what one batch read, emitted and left as state; never raises on bad data.
 
@@ -122,13 +126,14 @@ def validate_batch(
     'custom' turns off the session-overlap check (such windows overlap by design); ``render`` writes
     this run's Data Docs pages right away (incremental: the index is rebuilt by :func:`build_data_docs`,
     which also renders the pages of results that have none); a failed check's pages are rendered anyway,
-    so its error can point at one.
+    so its error can point at one. ``retractions=False`` tells that ``panes`` holds no retraction (a Spark
+    batch knows it from a query it runs anyway), which spares the Spark engine the retraction check's sort.
     """
     start = time.perf_counter()  # includes the one-time GX import and set-up: the first batch pays it
     report = QualityReport(pipeline, batch)
     now = processing_time or datetime.now(UTC)
     engine = _engine(raw, panes, state, prior_panes)
-    frames = _prepare(engine, raw, panes, state, prior_panes, window_type)
+    frames = _prepare(engine, raw, panes, state, prior_panes, window_type, retractions)
     params = {"max_event_epoch_s": (now + future_tolerance).timestamp()}
     try:
         with _LOCK:
@@ -167,39 +172,65 @@ def _engine(*frames: Any) -> str:
     return kinds.pop() if kinds else PANDAS
 
 
-def _prepare(engine: str, raw: Any, panes: Any, state: Any, prior: Any, window_type: str | None) -> dict[str, Any]:
+def _prepare(engine: str, raw: Any, panes: Any, state: Any, prior: Any, window_type: str | None,
+             retractions: bool = True) -> dict[str, Any]:
     """The frames with their ``chk_*`` columns, computed by the frames' own engine (Spark: panes and state
     cached, as every suite runs several jobs over its frame and their checks are window functions; raw's
-    checks are projections of rows the engine has cached already: copying a million of them would cost more
-    than the few jobs that read them)."""
+    checks, and panes' when they hold no retraction, are projections of rows the engine has kept already:
+    copying them would cost more than the few jobs that read them)."""
     if engine == PANDAS:
         return {qs.RAW: None if raw is None else qs.prepare_raw(raw),
                 qs.PANES: None if panes is None else qs.prepare_panes(panes, prior),
                 qs.STATE: None if state is None else qs.prepare_state(state, window_type)}
     from millpond.quality import spark_checks as sc
 
-    frames = {qs.RAW: None if raw is None else sc.prepare_raw(raw),
-              qs.PANES: None if panes is None else sc.prepare_panes(panes, prior),
-              qs.STATE: None if state is None else sc.prepare_state(state, window_type)}
-    return {suite: None if df is None else df if suite == qs.RAW else df.cache() for suite, df in frames.items()}
+    def raw_frame() -> Any:
+        return sc.prepare_raw(raw)
+
+    def panes_frame() -> Any:
+        framed = sc.prepare_panes(panes, prior, retractions)
+        # without retractions its check is a null column: the frame is the caller's (kept) panes, read as they are
+        return framed.cache() if retractions else framed
+
+    def state_frame() -> Any:
+        return sc.prepare_state(state, window_type).cache()
+
+    # each asks the server for its frame's schema and cache: their round trips overlap
+    todo = {suite: make for suite, make, df in ((qs.RAW, raw_frame, raw), (qs.PANES, panes_frame, panes),
+                                                (qs.STATE, state_frame, state)) if df is not None}
+    with ThreadPoolExecutor(max(1, len(todo)), thread_name_prefix="gx-prepare") as pool:
+        futures = {suite: pool.submit(make) for suite, make in todo.items()}
+        return {suite: futures[suite].result() if suite in futures else None for suite in (qs.RAW, qs.PANES, qs.STATE)}
 
 
 def _run(settings: Settings, pipeline: str, batch: int, engine: str, frames: dict[str, Any],
          params: dict[str, Any], report: QualityReport, render: bool) -> None:
-    """Each suite's checkpoint on its frame, the report filled in, results pruned, pages rendered."""
+    """Each suite's checkpoint on its frame, the report filled in, results pruned, pages rendered.
+
+    On Spark the suites run at the same time, one thread each: their jobs are small and the server's cores
+    would idle between one suite's round trips; GX keys each run's metrics by its own batch. Pandas suites
+    run one after the other (they hold the interpreter, so threads would not help)."""
     from great_expectations.core.run_identifier import RunIdentifier
 
     context = get_context(settings, engine)
-    identifiers = []
-    for suite, df in frames.items():
-        if df is None:
-            continue
-        checkpoint = context.checkpoints.get(checkpoint_name(suite, engine))
+    todo = [(suite, df, context.checkpoints.get(checkpoint_name(suite, engine)))
+            for suite, df in frames.items() if df is not None]
+
+    def run(item: tuple[str, Any, Any]) -> Any:
+        suite, df, checkpoint = item
         # run_time given: without it GX parses the run name as a date, and a pipeline named like
         # "t7203516975" overflows dateutil (or, worse, dates the run in year 7203516975).
-        with examples_after_counts() if engine == SPARK else contextlib.nullcontext():
-            result = checkpoint.run(batch_parameters={"dataframe": df}, expectation_parameters=params,
-                                    run_id=RunIdentifier(run_name=f"{pipeline}-{batch}", run_time=datetime.now(UTC)))
+        return checkpoint.run(batch_parameters={"dataframe": df}, expectation_parameters=params,
+                              run_id=RunIdentifier(run_name=f"{pipeline}-{batch}", run_time=datetime.now(UTC)))
+
+    if engine == SPARK and len(todo) > 1:
+        with resolved_on_spark(), ThreadPoolExecutor(len(todo), thread_name_prefix="gx-suite") as pool:
+            results = list(pool.map(run, todo))
+    else:
+        with resolved_on_spark() if engine == SPARK else contextlib.nullcontext():
+            results = [run(item) for item in todo]
+    identifiers = []
+    for (suite, _, _), result in zip(todo, results, strict=True):
         for vrid, vr in result.run_results.items():
             identifiers.append(vrid)
             report.suites[suite] = bool(vr.success)

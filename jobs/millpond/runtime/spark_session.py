@@ -40,6 +40,7 @@ def get_spark(settings: Settings, app_name: str = "millpond", shuffle_partitions
         .config("spark.default.parallelism", str(partitions))
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .config("spark.sql.execution.pythonUDF.arrow.enabled", "true")
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.python.worker.reuse", "true")
         .config("spark.driver.memory", settings.spark_driver_memory)

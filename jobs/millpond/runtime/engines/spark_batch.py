@@ -355,6 +355,10 @@ def run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], planned_
                                                                        the_plan["versions"].get("windows"))
     if spark_task.fits_one_task(job.settings, rows, job.validate):
         return spark_task.run_one_task(job, txn, the_plan, prev, w_in, processing_time, explicit_watermark, timer)
+    if job.validate:
+        from millpond.quality.context import warm_context
+
+        warm_context(job.settings)  # loaded while this thread waits on the batch's Spark jobs
     conf = job.spark.conf
     width = conf.get("spark.sql.shuffle.partitions")  # the session's, put back after (a shared session's peers)
     with watched(job.spark, job.settings.spark_connect_url, job.settings.spark_timeout_s):

@@ -83,7 +83,8 @@ def validate_spark(job: BatchContext, clock: BatchClock, raw, panes, state, lo: 
             F.col("window_start") >= F.timestamp_micros(F.lit(lo)))
     report = validate_batch(job.settings, job.name, clock.batch, raw=raw, panes=panes, state=state,
                             prior_panes=prior, processing_time=to_datetime(clock.processing_time),
-                            window_type=job.spec.window.get("type"), render=job.render_docs)
+                            window_type=job.spec.window.get("type"), render=job.render_docs,
+                            retractions=lo is not None)
     _judge(job, clock.batch, report)
 
 
