@@ -223,11 +223,11 @@ def _run(settings: Settings, pipeline: str, batch: int, engine: str, frames: dic
         return checkpoint.run(batch_parameters={"dataframe": df}, expectation_parameters=params,
                               run_id=RunIdentifier(run_name=f"{pipeline}-{batch}", run_time=datetime.now(UTC)))
 
-    if engine == SPARK and len(todo) > 1:
-        with resolved_on_spark(), ThreadPoolExecutor(len(todo), thread_name_prefix="gx-suite") as pool:
-            results = list(pool.map(run, todo))
-    else:
-        with resolved_on_spark() if engine == SPARK else contextlib.nullcontext():
+    with resolved_on_spark() if engine == SPARK else contextlib.nullcontext():
+        if engine == SPARK and len(todo) > 1:
+            with ThreadPoolExecutor(len(todo), thread_name_prefix="gx-suite") as pool:
+                results = list(pool.map(run, todo))
+        else:
             results = [run(item) for item in todo]
     identifiers = []
     for (suite, _, _), result in zip(todo, results, strict=True):
