@@ -150,9 +150,9 @@ class Plan:
     #: the client's peak RSS again at this size (``--full``); 0 = skip
     spark_engine_big_events: int = 0
     spark_validation_events: int = 1_000_000
-    #: validated batches of that size, each a fresh pipeline in a fresh client (the median share counts: one
-    #: batch's share moved by 0.04 between runs minutes apart on this box)
-    spark_validation_runs: int = 3
+    #: validated batches of that size, each a fresh pipeline in a fresh client (the median share counts: on this
+    #: box one batch's share moved between 0.20 and 0.26 from run to run, the server's first 1M batch the slowest)
+    spark_validation_runs: int = 5
     #: 1k-event batches on the Spark engine, one fresh client process each (tiny_events each); 0 = skip
     spark_tiny_runs: int = 7
     #: the bare-Spark peer's fresh clients for the tiny batch (its median)

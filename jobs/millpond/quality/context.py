@@ -187,7 +187,7 @@ def get_context(settings: Settings, engine: str = PANDAS) -> Any:
         return context
 
 
-def warm_context(settings: Settings) -> threading.Thread | None:
+def warm_context(settings: Settings) -> None:
     """Load the Spark-ready context in a background thread, so a batch that validates on Spark finds it loaded.
 
     Why: the load is 0.2-0.5 s of Python (YAML, stores, checkpoints) that a task's process pays once, and the
@@ -195,7 +195,7 @@ def warm_context(settings: Settings) -> threading.Thread | None:
     Spark datasource, which finds the process's default session from any thread). A failed load is only
     logged: the validation loads the context again and reports what went wrong."""
     if gx_root(settings) in _SPARK_READY:
-        return None
+        return
 
     def load() -> None:
         try:
@@ -203,9 +203,7 @@ def warm_context(settings: Settings) -> threading.Thread | None:
         except Exception as exc:  # noqa: BLE001 - the validation's own load reports it
             log.debug("Great Expectations context not loaded ahead: %s", exc)
 
-    thread = threading.Thread(target=load, name="gx-context", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=load, name="gx-context", daemon=True).start()
 
 
 def _load(root: Path, settings: Settings) -> Any:

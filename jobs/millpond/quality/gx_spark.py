@@ -3,8 +3,9 @@
 Why: GX's Spark engine resolves a suite's metric graph level by level, and within a level it runs each
 direct metric (a column-pair or compound-uniqueness count, a row count with a filter: one Spark job each)
 one after the other, then the bundled aggregates in one more job. Each job is a Spark Connect round trip
-with the server's planning; on a 1M-row batch a level's jobs are small, so the server's cores idle
-between them. Two changes, both inside :func:`resolved_on_spark`:
+with the server's planning, and GX's own Python runs between them. Overlapping them hides those round trips
+and that Python (a validated 1M-row batch: 13.2 s to 11.7 s); the jobs' own work on the server's cores is
+what remains. Two changes, both inside :func:`resolved_on_spark`:
 
 - **Examples after counts.** For every map expectation GX resolves, at the same level, the expectation's
   ``unexpected_values`` (a filter-limit-collect: a full scan of the frame when nothing is unexpected) and,

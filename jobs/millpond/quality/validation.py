@@ -184,23 +184,20 @@ def _prepare(engine: str, raw: Any, panes: Any, state: Any, prior: Any, window_t
                 qs.STATE: None if state is None else qs.prepare_state(state, window_type)}
     from millpond.quality import spark_checks as sc
 
-    def raw_frame() -> Any:
-        return sc.prepare_raw(raw)
+    # suite -> (its frame, the frame with its checks, cached for the suite's several jobs?)
+    checks = {qs.RAW: (raw, lambda: sc.prepare_raw(raw), False),
+              qs.PANES: (panes, lambda: sc.prepare_panes(panes, prior, retractions), retractions),
+              qs.STATE: (state, lambda: sc.prepare_state(state, window_type), True)}
 
-    def panes_frame() -> Any:
-        framed = sc.prepare_panes(panes, prior, retractions)
-        # without retractions its check is a null column: the frame is the caller's (kept) panes, read as they are
-        return framed.cache() if retractions else framed
-
-    def state_frame() -> Any:
-        return sc.prepare_state(state, window_type).cache()
+    def make(suite: str) -> Any:
+        _df, framed, cached = checks[suite]
+        return framed().cache() if cached else framed()
 
     # each asks the server for its frame's schema and cache: their round trips overlap
-    todo = {suite: make for suite, make, df in ((qs.RAW, raw_frame, raw), (qs.PANES, panes_frame, panes),
-                                                (qs.STATE, state_frame, state)) if df is not None}
+    todo = [suite for suite, (df, _f, _c) in checks.items() if df is not None]
     with ThreadPoolExecutor(max(1, len(todo)), thread_name_prefix="gx-prepare") as pool:
-        futures = {suite: pool.submit(make) for suite, make in todo.items()}
-        return {suite: futures[suite].result() if suite in futures else None for suite in (qs.RAW, qs.PANES, qs.STATE)}
+        futures = {suite: pool.submit(make, suite) for suite in todo}
+        return {suite: futures[suite].result() if suite in futures else None for suite in checks}
 
 
 def _run(settings: Settings, pipeline: str, batch: int, engine: str, frames: dict[str, Any],
