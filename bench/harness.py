@@ -145,8 +145,8 @@ class Plan:
     #: the Spark engine (``bench.spark_engine``, Connect clients of a server the bench starts): one sessions
     #: batch of this many events vs bare Spark, and the client's peak RSS; 0 = skip
     spark_engine_events: int = 1_000_000
-    #: our side's runs of that batch, around the peer's (the faster counts; 1: before the peer's only)
-    spark_engine_runs: int = 2
+    #: runs of that batch on each side, alternating with the peer's (the faster of each side counts)
+    spark_engine_runs: int = 3
     #: the client's peak RSS again at this size (``--full``); 0 = skip
     spark_engine_big_events: int = 0
     spark_validation_events: int = 1_000_000

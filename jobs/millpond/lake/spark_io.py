@@ -59,14 +59,25 @@ def spark_schema(schema: pa.Schema):
 
 def _per_item(spark, items: list[Any], task, tasks: int | None = None) -> Any:
     """One Spark partition per item, or ``tasks`` partitions of consecutive items (``spark.range``: no shuffle,
-    no rows from the client); ``task`` gets the items and the record batches of its partition's indexes."""
-    n = max(len(items), 1)
-    return spark.range(0, n, 1, min(n, tasks or n)), functools.partial(task, items)
+    no rows from the client); ``task`` gets the items (``Slices``) and the record batches of its partition.
+    The range has a row per partition, not per item: Spark writes its length into the code it generates, which
+    then stays the same from batch to batch however many files a batch has."""
+    slices = min(max(len(items), 1), tasks or max(len(items), 1))
+    return spark.range(0, slices, 1, slices), functools.partial(task, Slices(items, slices))
 
 
-def _indexes(batches: Iterable[pa.RecordBatch]) -> Iterator[int]:
-    for b in batches:
-        yield from b.column(0).to_pylist()
+class Slices:
+    """Items cut into ``slices`` runs of consecutive items, as ``spark.range`` cuts its rows."""
+
+    def __init__(self, items: list[Any], slices: int) -> None:
+        self.items, self.slices = items, slices
+
+    def of(self, batches: Iterable[pa.RecordBatch]) -> Iterator[Any]:
+        """The items of the partitions whose numbers ``batches`` hold."""
+        n = len(self.items)
+        for b in batches:
+            for s in b.column(0).to_pylist():
+                yield from self.items[s * n // self.slices:(s + 1) * n // self.slices]
 
 
 # landing ------------------------------------------------------------------------------------------------------
@@ -81,14 +92,11 @@ def read_landing(spark, settings: Settings, files: list[tuple[str, int]], value_
     return ids.mapInArrow(task, spark_schema(landing_schema(value_type)))
 
 
-def _landing_task(files: list[tuple[str, int, int]], storage: Storage, bucket: str, value_type: str,
+def _landing_task(files: Slices, storage: Storage, bucket: str, value_type: str,
                   processing_time: int, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """Runs in an executor: each of the partition's files fetched and parsed (the local engine's parser)."""
     filesystem = None
-    for i in _indexes(batches):
-        if i >= len(files):  # an empty plan still has one (empty) partition
-            continue
-        key, arrival, rank = files[i]
+    for key, arrival, rank in files.of(batches):  # an empty plan still has one (empty) partition
         if filesystem is None:
             filesystem, _ = storage.filesystem(f"s3://{bucket}/{key}")
         yield from _landing_rows(filesystem, bucket, key, arrival, rank, value_type, processing_time)
@@ -156,13 +164,10 @@ def table_rows(tables, pipeline: str, name: str, version: int | None) -> int:
     return int(pc.sum(pa.table(dt.get_add_actions(flatten=True)).column("num_records")).as_py() or 0)
 
 
-def _table_task(files: list[tuple[str, dict[str, Any]]], storage: Storage, schema: pa.Schema,
+def _table_task(files: Slices, storage: Storage, schema: pa.Schema,
                 batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """Runs in an executor: the partition's data files, conformed to the table's schema."""
-    for i in _indexes(batches):
-        if i >= len(files):
-            continue
-        uri, parts = files[i]
+    for uri, parts in files.of(batches):
         filesystem, path = storage.filesystem(uri)
         yield from read_file(filesystem, path, schema, parts)
 

@@ -93,6 +93,10 @@ class SparkConnectServer:
             # Python UDFs (Great Expectations' JSON check) exchange rows with their worker as Arrow batches
             "spark.sql.execution.pythonUDF.arrow.enabled": "true",
             "spark.sql.adaptive.enabled": "false",
+            # the code Spark generates for a batch's plans, kept for the next batch's same plans
+            # (``runtime.spark_values``): a sessions batch has about seventy classes, validation as many, and each
+            # pipeline its own; past the default 100 a batch evicts the last one's and the JIT compiles them again
+            "spark.sql.codegen.cache.maxEntries": 2000,
             "spark.python.worker.reuse": "true",
             "spark.python.daemon.module": "millpond.runtime.spark_daemon",
             "spark.sql.artifact.isolation.enabled": "false",

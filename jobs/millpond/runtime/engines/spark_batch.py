@@ -38,6 +38,7 @@ from millpond.model.panes import pane_schema
 from millpond.model.state import WINDOWS_SCHEMA
 from millpond.runtime.engines import spark_task
 from millpond.runtime.engines.spark_keys import per_key_step
+from millpond.runtime.spark_values import batch_values, with_values
 from millpond.runtime.spark_watchdog import watched
 from millpond.runtime.steps.dedup import seen_keep_from
 from millpond.runtime.steps.read import held_rows
@@ -137,9 +138,10 @@ def delays(accepted) -> list[int]:
     return [r[0] for r in accepted.selectExpr("arrival_time - event_time").orderBy(1).collect()]
 
 
-def stored_windows(job: BatchContext, stored, accepted, clock: BatchClock):
+def stored_windows(job: BatchContext, stored, accepted, values):
     """The stored windows this batch can change (due timers, or reachable by a new element of its key),
-    with times as microseconds, read on executors; ``stored``: the ``windows`` table at the plan's version."""
+    with times as microseconds, read on executors; ``stored``: the ``windows`` table at the plan's version;
+    ``values``: the batch's clock (``spark_values``: ``_watermark``, ``_processing_time``)."""
     from pyspark.sql import functions as F
 
     if stored is None:
@@ -147,11 +149,11 @@ def stored_windows(job: BatchContext, stored, accepted, clock: BatchClock):
     windows = stored.select(
         "key", F.unix_micros("window_start").alias("window_start"), F.unix_micros("window_end").alias("window_end"),
         "state", F.unix_micros("event_timer").alias("event_timer"), F.unix_micros("ptime_timer").alias("ptime_timer"))
-    due = (F.coalesce(F.col("event_timer") <= F.lit(clock.watermark), F.lit(False))
-           | F.coalesce(F.col("ptime_timer") <= F.lit(clock.processing_time), F.lit(False)))
+    due = (F.coalesce(F.col("event_timer") <= F.col("_watermark"), F.lit(False))
+           | F.coalesce(F.col("ptime_timer") <= F.col("_processing_time"), F.lit(False)))
     ranges = accepted.groupBy("key").agg(F.min("event_time").alias("lo"), F.max("event_time").alias("hi"))
     reach = job.strategy.window_fn.reach()
-    joined = windows.join(ranges, "key", "left")
+    joined = with_values(windows.join(ranges, "key", "left"), values)
     if reach is None:
         near = F.col("lo").isNotNull()
     else:
@@ -170,16 +172,17 @@ def compute(job: BatchContext, clock: BatchClock, accepted, state, partitions: i
                                         job.settings.columnar_windows, partitions), now=now)
 
 
-def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted, out, panes,
-                  versions: dict[str, Any], stored, seen, partitions: int, w_in: int, quarantined: int
-                  ) -> dict[str, int]:
+def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes, versions: dict[str, Any],
+                  stored, seen, partitions: int, keep_from: int | None, quarantined: int) -> dict[str, int]:
     """Every output table's files from the executors in one Spark job, each table one commit; counts for the
-    marker. ``stored``: the ``windows`` table at ``versions["windows"]`` (None without one); ``seen``: the
-    ``seen_ids`` table at ``versions["seen_ids"]`` (None without one); ``quarantined``: ``bad``'s rows (none:
-    no quarantine write, whose tasks would only scan the landing rows for nothing)."""
+    marker. ``values``: the batch's (``spark_values``: ``_batch``, ``_keep_from``); ``stored``: the ``windows``
+    table at ``versions["windows"]`` (None without one); ``seen``: the ``seen_ids`` table at
+    ``versions["seen_ids"]`` (None without one); ``keep_from``: as ``steps.dedup.seen_keep_from``;
+    ``quarantined``: ``bad``'s rows (none: no quarantine write, whose tasks would only scan the landing rows for
+    nothing)."""
     from pyspark.sql import functions as F
 
-    batch = clock.batch
+    batch = F.col("_batch").cast("int").alias("batch")
     # one job for every count the writes need: rows per table and kind, and the (day, hour) partitions of
     # ``window_end`` the current rows touch
     is_current = F.col("tbl") == "current"
@@ -194,12 +197,11 @@ def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted,
     state_changes = sum(r["n"] for r in groups if r["tbl"] == "state")
     state_read = sum(r["n"] for r in groups if r["tbl"] == "read")
     pane_type, value_type = job.spec.pane_value_type, job.spec.value_type
-    late = out.where("tbl = 'late'").select(
-        "id", "key", F.col("late_value").alias("value"), _ts("event_time"), _ts("arrival_time"), "reason",
-        F.lit(batch).alias("batch"))
+    late = with_values(out.where("tbl = 'late'"), values).select(
+        "id", "key", F.col("late_value").alias("value"), _ts("event_time"), _ts("arrival_time"), "reason", batch)
     # at most ``partitions`` tasks (files) per table: ``bad`` has one partition per landing file
-    quarantine = bad.select("source_file", "line", "raw", "reason", F.lit(batch).alias("batch")).coalesce(partitions)
-    own = accepted.select("id", _ts("event_time"), F.lit(batch).alias("batch"))
+    quarantine = with_values(bad, values).select("source_file", "line", "raw", "reason", batch).coalesce(partitions)
+    own = with_values(accepted, values).select("id", _ts("event_time"), batch)
     appends = [("late", late, late_schema(value_type)), ("panes", panes, pane_schema(pane_type)),
                ("quarantine", quarantine, QUARANTINE_SCHEMA)]
     writes: list[tuple[str, Any, Callable[[list[dict]], Any]]] = []
@@ -207,15 +209,14 @@ def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted,
         if tally.get(f"{table}:", 0) or (table == "quarantine" and quarantined) or tally.get(f"{table}:value") \
                 or tally.get(f"{table}:retraction"):
             writes.append(_append(job, txn, table, df, schema))
-    keep_from = seen_keep_from(job, w_in, versions.get("seen_ids"))
     if keep_from is None:
         writes.append(_append(job, txn, "seen_ids", own, SEEN_SCHEMA))
     else:
-        writes.append(_rewrite_seen(job, txn, seen, own, versions["seen_ids"], keep_from, partitions))
+        writes.append(_rewrite_seen(job, txn, seen, own, values, versions["seen_ids"], partitions))
     if state_changes:
-        writes.append(_rewrite_windows(job, txn, clock, out, versions.get("windows"), stored, partitions))
+        writes.append(_rewrite_windows(job, txn, values, out, versions.get("windows"), stored, partitions))
     if touched:
-        writes.append(_rewrite_current(job, txn, clock, out, touched, partitions))
+        writes.append(_rewrite_current(job, txn, values, out, touched, partitions))
     # the Spark job runs now, on this thread; the Delta commits wait with the batch's others, in this order
     written = spark_io.collect_writes([w for _t, w, _c in writes])
     for table, _w, commit in writes:
@@ -224,24 +225,25 @@ def write_outputs(job: BatchContext, txn: Txn, clock: BatchClock, bad, accepted,
             "retractions": tally.get("panes:retraction", 0), "state_rows_read": state_read}
 
 
-def panes_frame(out, clock: BatchClock, partitions: int = 1):
-    """The ``panes`` rows, numbered batch-wide by key then emission order (the local engine's ``seq``).
+def panes_frame(out, values, partitions: int = 1):
+    """The ``panes`` rows, numbered batch-wide by key then emission order (the local engine's ``seq``);
+    ``values``: the batch's (``spark_values``: ``_batch``, ``_processing_time``, ``_watermark``).
     The numbering sees every row in one task; ``partitions`` > 1 spreads the numbered rows by key again, so
     that their checks and writes run in that many tasks (one task's rows satisfy any window's grouping, so
     Spark would otherwise keep them in the one)."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    numbered = out.where("tbl = 'panes'").select(
+    numbered = with_values(out.where("tbl = 'panes'"), values).select(
         "key", _ts("window_start"), _ts("window_end"), F.col("pane_value").alias("value"), "pane_index", "timing",
-        "is_last", "kind", F.lit(clock.batch).alias("batch"),
-        F.timestamp_micros(F.lit(clock.processing_time)).alias("processing_time"),
-        F.timestamp_micros(F.lit(clock.watermark)).alias("watermark"),
+        "is_last", "kind", F.col("_batch").cast("int").alias("batch"),
+        F.timestamp_micros("_processing_time").alias("processing_time"),
+        F.timestamp_micros("_watermark").alias("watermark"),
         F.row_number().over(Window.orderBy("key", "seq")).cast("long").alias("seq"))
     return numbered.repartition(partitions, "key") if partitions > 1 else numbered
 
 
-def validate_batch(job: BatchContext, clock: BatchClock, accepted, out, panes, lo: int | None) -> None:
+def validate_batch(job: BatchContext, clock: BatchClock, values, accepted, out, panes, lo: int | None) -> None:
     """The quality suites on the batch's input, panes and live state, validated on Spark (Great Expectations'
     Spark engine on these DataFrames): only aggregates and a few unexpected examples reach the client."""
     from pyspark.sql import functions as F
@@ -249,9 +251,9 @@ def validate_batch(job: BatchContext, clock: BatchClock, accepted, out, panes, l
     from millpond.runtime.steps.validate import validate_spark
 
     raw = accepted.select("id", "key", "value", _ts("event_time"))
-    state = out.where("tbl = 'state' AND NOT deleted").select(
+    state = with_values(out.where("tbl = 'state' AND NOT deleted"), values).select(
         "key", _ts("window_start"), _ts("window_end"), "state", _ts("event_timer"), _ts("ptime_timer"),
-        F.lit(clock.batch).alias("batch"))
+        F.col("_batch").cast("int").alias("batch"))
     validate_spark(job, clock, raw, panes, state, lo)
 
 
@@ -264,12 +266,13 @@ def _append(job: BatchContext, txn: Txn, table: str, df, schema: pa.Schema) -> W
     return table, write, lambda files: commit_files(job.tables, job.name, table, files, schema, txn)
 
 
-def _rewrite_seen(job: BatchContext, txn: Txn, seen, own, version: int, keep_from: int, partitions: int) -> Write:
+def _rewrite_seen(job: BatchContext, txn: Txn, seen, own, values, version: int, partitions: int) -> Write:
     """``seen_ids`` replaced by the earlier ids still within the dedup horizon plus this batch's (the local
     engine's fold, ``steps.dedup.seen_keep_from``): ids expire, so the table dedup reads stays bounded."""
     from pyspark.sql import functions as F
 
-    kept = seen.where(F.unix_micros("event_time") >= F.lit(keep_from)).select(*SEEN_SCHEMA.names)
+    kept = with_values(seen, values).where(F.unix_micros("event_time") >= F.col("_keep_from")).select(
+        *SEEN_SCHEMA.names)
     removes = live_files(job.tables, job.name, "seen_ids", version)
     rows = kept.unionByName(own).coalesce(partitions).sortWithinPartitions("event_time")
     write = spark_io.write_files(rows, job.settings, "seen_ids",
@@ -278,7 +281,7 @@ def _rewrite_seen(job: BatchContext, txn: Txn, seen, own, version: int, keep_fro
                                                          removes=removes)
 
 
-def _rewrite_windows(job: BatchContext, txn: Txn, clock: BatchClock, out, version: int | None, stored,
+def _rewrite_windows(job: BatchContext, txn: Txn, values, out, version: int | None, stored,
                      partitions: int) -> Write:
     """``windows`` copy-on-write: the stored rows not changed by this batch, plus its upserts, replace the
     table's files (the local engine's MERGE, on executors)."""
@@ -287,9 +290,9 @@ def _rewrite_windows(job: BatchContext, txn: Txn, clock: BatchClock, out, versio
     changes = out.where("tbl = 'state'").select(
         "key", "window_start", "window_end", "state", "event_timer", "ptime_timer", "deleted")
     keys = ["key", "window_start", "window_end"]
-    new = changes.where("NOT deleted").select(
+    new = with_values(changes.where("NOT deleted"), values).select(
         "key", _ts("window_start"), _ts("window_end"), "state", _ts("event_timer"), _ts("ptime_timer"),
-        F.lit(clock.batch).alias("batch"), F.lit(False).alias("deleted"))
+        F.col("_batch").cast("int").alias("batch"), F.lit(False).alias("deleted"))
     removes: list[dict] = []
     if version is not None:
         removes = live_files(job.tables, job.name, "windows", version)
@@ -308,7 +311,7 @@ def _rewrite_windows(job: BatchContext, txn: Txn, clock: BatchClock, out, versio
         stats_columns=WINDOWS_STATS_COLUMNS)
 
 
-def _rewrite_current(job: BatchContext, txn: Txn, clock: BatchClock, out, parts: set[tuple[str, str]],
+def _rewrite_current(job: BatchContext, txn: Txn, values, out, parts: set[tuple[str, str]],
                      partitions: int) -> Write:
     """The current view copy-on-write over the (day, hour) partitions of ``window_end`` the batch touches
     (``parts``: ISO day, hour), each rewritten as one file: the rows are spread by partition over ``partitions``
@@ -319,8 +322,9 @@ def _rewrite_current(job: BatchContext, txn: Txn, clock: BatchClock, out, parts:
     rows = out.where("tbl = 'current'")
     on = ["key", "window_start", "window_end"] + (["pane_index"] if job.spec.mode.value == "discarding" else [])
     pane_type = job.spec.pane_value_type
-    current = rows.select("key", _ts("window_start"), _ts("window_end"), F.col("pane_value").alias("value"),
-                          "pane_index", "timing", F.lit(clock.batch).alias("batch"), "deleted")
+    current = with_values(rows, values).select(
+        "key", _ts("window_start"), _ts("window_end"), F.col("pane_value").alias("value"), "pane_index", "timing",
+        F.col("_batch").cast("int").alias("batch"), "deleted")
     current = current.withColumn("window_end_day", F.to_date("window_end")).withColumn(
         "window_end_hour", F.hour("window_end").cast("int"))
     dt = job.tables.open(job.name, "current")
@@ -386,26 +390,29 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], rows: i
     clock, max_et = clock_for(job, job.batch, processing_time, w_in, prev, max_et, the_plan, explicit_watermark,
                               delays(accepted) if policy.kind == "percentile" and explicit_watermark is None else None)
     timer.lap("watermark")
+    keep_from = seen_keep_from(job, w_in, seen_version)
+    values = batch_values(job.spark, batch=clock.batch, processing_time=clock.processing_time,
+                          watermark=clock.watermark, keep_from=keep_from)
     # read once: the state's due and reachable windows, and the rewrite's unchanged ones
     stored = None if version is None else spark_io.read_table(job.spark, job.tables, job.name, "windows", version,
                                                               tasks=partitions)
     stored = None if stored is None else keep(job.spark, stored)
-    state = stored_windows(job, stored, accepted, clock)
+    state = stored_windows(job, stored, accepted, values)
     if state is not None:
         state = keep(job.spark, state)
     job.commits.plan_landed()
     out = compute(job, clock, accepted, state, partitions, now=job.validate)
-    panes = panes_frame(out, clock, partitions)
+    panes = panes_frame(out, values, partitions)
     if job.validate:  # validated and written: numbered once, here (the validation phase holds validation only)
         panes = keep(job.spark, panes)
         lo = first_retracted(panes)  # the job that computes the kept panes
     timer.lap("windowing")
     if job.validate:
-        validate_batch(job, clock, accepted, out, panes, lo)
+        validate_batch(job, clock, values, accepted, out, panes, lo)
         timer.lap("validation")
     job.commits.defer()
-    outputs = write_outputs(job, txn, clock, bad, accepted, out, panes, the_plan["versions"], stored, seen,
-                            partitions, w_in, counts["quarantined"])
+    outputs = write_outputs(job, txn, values, bad, accepted, out, panes, the_plan["versions"], stored, seen,
+                            partitions, keep_from, counts["quarantined"])
     counts = {"files": len(the_plan["files"]), **counts, "late": 0, "panes": 0, "retractions": 0, **outputs}
     # a warm server keeps cached frames until told
     for frame in (parsed, stored, state, out, accepted, panes if job.validate else None):

@@ -75,12 +75,14 @@ def validate_spark(job: BatchContext, clock: BatchClock, raw, panes, state, lo: 
 
     from millpond.lake import spark_io
     from millpond.quality.validation import validate_batch
+    from millpond.runtime.spark_values import batch_values, with_values
 
     prior = None
     if lo is not None:
         stored = spark_io.read_table(job.spark, job.tables, job.name, "panes")
-        prior = panes.limit(0) if stored is None else stored.where(
-            F.col("window_start") >= F.timestamp_micros(F.lit(lo)))
+        # the bound as a joined value, not a literal: the generated code stays the same from batch to batch
+        prior = panes.limit(0) if stored is None else with_values(stored, batch_values(job.spark, lo=lo)).where(
+            F.col("window_start") >= F.timestamp_micros("_lo")).drop("_lo")
     report = validate_batch(job.settings, job.name, clock.batch, raw=raw, panes=panes, state=state,
                             prior_panes=prior, processing_time=to_datetime(clock.processing_time),
                             window_type=job.spec.window.get("type"), render=job.render_docs,
