@@ -357,9 +357,9 @@ def test_spark_validation_brings_no_rows_to_the_driver(settings, spark, pipeline
     The same probe counts every row when the input is taken with ``toArrow``, as validation used to."""
     seen: list[tuple[str, int]] = []
 
-    def probed(job, clock, accepted, out, panes, lo):
+    def probed(job, clock, values, accepted, out, panes, lo):
         with rows_to_python() as calls:
-            original(job, clock, accepted, out, panes, lo)
+            original(job, clock, values, accepted, out, panes, lo)
         seen.extend(calls)
         with rows_to_python() as calls:
             accepted.toArrow()
