@@ -45,8 +45,29 @@ def snapshot(tables: Tables, pipeline: str) -> dict[str, list]:
     return out
 
 
+def wait_stopped(pgid: int, timeout: float = 10.0) -> None:
+    """Return once every thread of every process in the group is stopped. A SIGSTOP takes effect when the
+    thread that takes it is next scheduled: on a busy machine the store's other threads can answer a request
+    or two meanwhile, and the batch would get past the step the test meant to freeze."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for stat in Path("/proc").glob("[0-9]*/task/[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # a thread that just ended
+            if int(fields[2]) == pgid:  # after the name: state, ppid, pgrp
+                states.append(fields[0])
+        if states and all(state in "Tt" for state in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"the store (process group {pgid}) did not stop within {timeout:.0f}s")
+
+
 class Freezer(logging.Handler):
-    """Pauses the store (SIGSTOP to its process group) when the batch logs ``trigger``; keeps every line."""
+    """Pauses the store (SIGSTOP to its process group) when the batch logs ``trigger``, and returns once it
+    is stopped; keeps every line."""
 
     def __init__(self, pid: int, trigger: str) -> None:
         super().__init__(logging.INFO)
@@ -60,6 +81,7 @@ class Freezer(logging.Handler):
         if self.frozen_at is None and self.trigger in line:
             os.killpg(self.pid, signal.SIGSTOP)
             self.frozen_at = time.monotonic()
+            wait_stopped(self.pid)
 
     def thaw(self) -> None:
         os.killpg(self.pid, signal.SIGCONT)

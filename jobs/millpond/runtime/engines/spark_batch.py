@@ -60,6 +60,13 @@ def _ts(column: str):
     return F.timestamp_micros(F.col(column)).alias(column)
 
 
+def _batch_column():
+    """The tables' ``batch`` column, from the batch's values row (``runtime.spark_values``)."""
+    from pyspark.sql import functions as F
+
+    return F.col("_batch").cast("int").alias("batch")
+
+
 def keep(spark, df, now: bool = False):
     """``df`` computed once for the batch's several uses. On a ``local`` master, a lazy local checkpoint: its
     later plans then start from the stored rows instead of repeating the whole lineage, which a Connect server
@@ -182,7 +189,7 @@ def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes
     nothing)."""
     from pyspark.sql import functions as F
 
-    batch = F.col("_batch").cast("int").alias("batch")
+    batch = _batch_column()
     # one job for every count the writes need: rows per table and kind, and the (day, hour) partitions of
     # ``window_end`` the current rows touch
     is_current = F.col("tbl") == "current"
@@ -236,7 +243,7 @@ def panes_frame(out, values, partitions: int = 1):
 
     numbered = with_values(out.where("tbl = 'panes'"), values).select(
         "key", _ts("window_start"), _ts("window_end"), F.col("pane_value").alias("value"), "pane_index", "timing",
-        "is_last", "kind", F.col("_batch").cast("int").alias("batch"),
+        "is_last", "kind", _batch_column(),
         F.timestamp_micros("_processing_time").alias("processing_time"),
         F.timestamp_micros("_watermark").alias("watermark"),
         F.row_number().over(Window.orderBy("key", "seq")).cast("long").alias("seq"))
@@ -246,14 +253,13 @@ def panes_frame(out, values, partitions: int = 1):
 def validate_batch(job: BatchContext, clock: BatchClock, values, accepted, out, panes, lo: int | None) -> None:
     """The quality suites on the batch's input, panes and live state, validated on Spark (Great Expectations'
     Spark engine on these DataFrames): only aggregates and a few unexpected examples reach the client."""
-    from pyspark.sql import functions as F
 
     from millpond.runtime.steps.validate import validate_spark
 
     raw = accepted.select("id", "key", "value", _ts("event_time"))
     state = with_values(out.where("tbl = 'state' AND NOT deleted"), values).select(
         "key", _ts("window_start"), _ts("window_end"), "state", _ts("event_timer"), _ts("ptime_timer"),
-        F.col("_batch").cast("int").alias("batch"))
+        _batch_column())
     validate_spark(job, clock, raw, panes, state, lo)
 
 
@@ -292,7 +298,7 @@ def _rewrite_windows(job: BatchContext, txn: Txn, values, out, version: int | No
     keys = ["key", "window_start", "window_end"]
     new = with_values(changes.where("NOT deleted"), values).select(
         "key", _ts("window_start"), _ts("window_end"), "state", _ts("event_timer"), _ts("ptime_timer"),
-        F.col("_batch").cast("int").alias("batch"), F.lit(False).alias("deleted"))
+        _batch_column(), F.lit(False).alias("deleted"))
     removes: list[dict] = []
     if version is not None:
         removes = live_files(job.tables, job.name, "windows", version)
@@ -324,7 +330,7 @@ def _rewrite_current(job: BatchContext, txn: Txn, values, out, parts: set[tuple[
     pane_type = job.spec.pane_value_type
     current = with_values(rows, values).select(
         "key", _ts("window_start"), _ts("window_end"), F.col("pane_value").alias("value"), "pane_index", "timing",
-        F.col("_batch").cast("int").alias("batch"), "deleted")
+        _batch_column(), "deleted")
     current = current.withColumn("window_end_day", F.to_date("window_end")).withColumn(
         "window_end_hour", F.hour("window_end").cast("int"))
     dt = job.tables.open(job.name, "current")
