@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import millpond
-from millpond.orchestration.processes import read_pid
-from millpond.orchestration.spark_server import SparkConnectServer, _free_port
+from millpond.orchestration.processes import free_port, read_pid
+from millpond.orchestration.spark_server import SparkConnectServer
 
 if TYPE_CHECKING:
     from bench.workload import Workload
@@ -63,7 +63,7 @@ class SparkEngineMeasures:
             home = self.workdir / "spark-connect"
             home.mkdir(parents=True, exist_ok=True)
             server = SparkConnectServer(self.settings.with_overrides(
-                home=home, spark_connect_port=_free_port(), spark_ui_port=_free_port(), spark_connect=""))
+                home=home, spark_connect_port=free_port(), spark_ui_port=free_port(), spark_connect=""))
             t = time.perf_counter()
             server.start()
             self.connect_server = server

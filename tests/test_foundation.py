@@ -197,6 +197,20 @@ def test_busy_port_is_reported(tmp_path) -> None:
             EmbeddedStore(load_settings(env=env)).start()
 
 
+def test_free_ports_stay_below_the_ephemeral_range(tmp_path) -> None:
+    """A store's ports and their gRPC twins are below the range the kernel picks connections' own ports from,
+    so a store restarted after an outage finds them still free; the ports differ from each other."""
+    from millpond.orchestration.processes import ephemeral_ports, free_port
+    from millpond.orchestration.store import PORT_VARS, isolated_store_env
+
+    low = ephemeral_ports()[0]
+    env = isolated_store_env(tmp_path)
+    ports = [int(env[var]) for var in PORT_VARS.values()]
+    assert len({*ports, *(p + 10000 for p in ports)}) == 2 * len(ports)
+    assert all(p + 10000 < low for p in ports), (ports, low)
+    assert free_port() < low and free_port(twin=10000) + 10000 < low
+
+
 def _base_env() -> dict[str, str]:
     import os
 

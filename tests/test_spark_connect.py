@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from millpond.orchestration.processes import read_pid
-from millpond.orchestration.spark_server import SparkConnectServer, _free_port
+from millpond.orchestration.processes import free_port, read_pid
+from millpond.orchestration.spark_server import SparkConnectServer
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def _client(url: str) -> dict:
 
 
 def test_connect_server_starts_answers_clients_and_stops(settings, tmp_path) -> None:
-    local = settings.with_overrides(home=tmp_path, spark_connect_port=_free_port(), spark_ui_port=_free_port(),
+    local = settings.with_overrides(home=tmp_path, spark_connect_port=free_port(), spark_ui_port=free_port(),
                                     spark_master="local[2]")
     server = SparkConnectServer(local)
     down = _client(local.spark_connect_url)
@@ -82,7 +82,7 @@ print("finished", flush=True)
 def test_a_server_frozen_mid_batch_fails_it_within_the_spark_timeout(settings, tmp_path, pipeline_name) -> None:
     """A paused Connect server (SIGSTOP: it still accepts connections) fails the running batch in about
     ``spark.timeout`` with one line naming it, instead of hanging until the task's timeout."""
-    local = settings.with_overrides(home=tmp_path, spark_connect_port=_free_port(), spark_ui_port=_free_port(),
+    local = settings.with_overrides(home=tmp_path, spark_connect_port=free_port(), spark_ui_port=free_port(),
                                     spark_master="local[2]")
     server = SparkConnectServer(local)
     server.start()

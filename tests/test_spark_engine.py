@@ -15,7 +15,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from millpond.model.spec import pipeline_from_dict
-from millpond.orchestration.spark_server import SparkConnectServer, StandaloneCluster, _free_port
+from millpond.orchestration.processes import free_port
+from millpond.orchestration.spark_server import SparkConnectServer, StandaloneCluster
 from millpond.surface.replay import read_events, replay
 
 pytestmark = pytest.mark.slow
@@ -73,7 +74,7 @@ def _cluster(settings, home: Path) -> Iterator[tuple[StandaloneCluster, str]]:
     local = settings.with_overrides(home=home)
     cluster = StandaloneCluster(local, workers=2, cores=1, memory="1g")
     master = cluster.start()
-    server_settings = local.with_overrides(spark_connect_port=_free_port(), spark_ui_port=_free_port(),
+    server_settings = local.with_overrides(spark_connect_port=free_port(), spark_ui_port=free_port(),
                                            spark_master=master)
     server = SparkConnectServer(server_settings)
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import time
@@ -33,16 +34,40 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def free_port(avoid: set[int] | None = None) -> int:
-    """A free loopback port whose gRPC twin (+10000) is free as well (SeaweedFS uses both)."""
+#: the lowest port ``free_port`` hands out: below it sit many tools' default ports (8080, 9000, 9333, ...)
+LOWEST_PORT = 12000
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for connections' own ports (Linux: ``ip_local_port_range``)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return low, high
+
+
+def free_port(avoid: set[int] | None = None, twin: int | None = None) -> int:
+    """A free loopback port for a server, below the kernel's ephemeral range: a server stopped and started
+    again on it (a store after an outage) never finds it taken meanwhile by some connection's own port, which
+    the kernel picks from that range. With ``twin``, port + twin is free and below the range as well
+    (SeaweedFS's gRPC ports are +10000)."""
     avoid = avoid or set()
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 55000 and port not in avoid and port + 10000 not in avoid and port_free(port + 10000):
+    top = ephemeral_ports()[0] - 1 - (twin or 0)
+    pick = random.SystemRandom()
+    for _ in range(500):
+        port = pick.randint(LOWEST_PORT, top) if top > LOWEST_PORT else _kernel_port()
+        ports = {port, port + twin} if twin else {port}
+        if not ports & avoid and all(port_free(p) for p in ports):
             return port
     raise MillpondError("no free loopback port found")
+
+
+def _kernel_port() -> int:
+    """A port the kernel says is free (when the ephemeral range leaves no room below it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _pid_alive(pid: int) -> bool:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from millpond.config import Settings
 from millpond.errors import MillpondError, PrerequisiteMissing
-from millpond.orchestration.processes import port_free, read_pid, run_dir, stop_group
+from millpond.orchestration.processes import free_port, port_free, read_pid, run_dir, stop_group
 from millpond.prerequisites import require_java
 
 #: the server's driver program (not Spark's ``SparkConnectServer`` class: see ``connect_driver``)
@@ -157,7 +157,7 @@ class StandaloneCluster:
     def __init__(self, settings: Settings, workers: int = 2, cores: int = 1, memory: str = "1g",
                  master_port: int = 0, name: str = "spark-standalone") -> None:
         self.settings, self.workers, self.cores, self.memory, self.name = settings, workers, cores, memory, name
-        self.master_port = master_port or _free_port()
+        self.master_port = master_port or free_port()
         self.master_url = f"spark://127.0.0.1:{self.master_port}"
 
     def pidfile(self, role: str) -> Path:
@@ -176,12 +176,12 @@ class StandaloneCluster:
         """Start the master and the workers; wait until every worker has registered. Returns the master URL."""
         require_java()
         (self.settings.home / "spark" / "work").mkdir(parents=True, exist_ok=True)
-        ui = _free_port()
+        ui = free_port()
         self._launch("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                      "--port", str(self.master_port), "--webui-port", str(ui))
         for i in range(self.workers):
             self._launch(f"worker{i}", "org.apache.spark.deploy.worker.Worker", self.master_url, "--host", "127.0.0.1",
-                         "--cores", str(self.cores), "--memory", self.memory, "--webui-port", str(_free_port()))
+                         "--cores", str(self.cores), "--memory", self.memory, "--webui-port", str(free_port()))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.alive_workers(ui) >= self.workers:
@@ -214,9 +214,3 @@ class StandaloneCluster:
         for i in range(self.workers):
             stop_group(self.pidfile(f"worker{i}"))
         stop_group(self.pidfile("master"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -28,7 +28,7 @@ def isolated_store_env(home: Path) -> dict[str, str]:
     used: set[int] = set()
     env = {"MILLPOND_HOME": str(home)}
     for var in PORT_VARS.values():
-        port = free_port(used)
+        port = free_port(used, twin=10000)
         used |= {port, port + 10000}
         env[var] = str(port)
     env["MILLPOND_S3_ENDPOINT"] = f"http://127.0.0.1:{env['MILLPOND_S3_PORT']}"
