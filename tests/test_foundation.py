@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 
@@ -209,6 +212,35 @@ def test_free_ports_stay_below_the_ephemeral_range(tmp_path) -> None:
     assert len({*ports, *(p + 10000 for p in ports)}) == 2 * len(ports)
     assert all(p + 10000 < low for p in ports), (ports, low)
     assert free_port() < low and free_port(twin=10000) + 10000 < low
+
+
+def test_stopping_a_service_stops_a_child_that_outlives_its_leader(tmp_path) -> None:
+    """A service whose leader exits on SIGTERM while its child ignores it (a Spark driver program stuck in its
+    shutdown once its JVM has gone): stopping it leaves no process of its group, and soon."""
+    import time
+
+    from millpond.orchestration.processes import FOLLOW_S, group_members, stop_group
+
+    child = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+             "time.sleep(600)")
+    leader = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', sys.argv[1]], "
+              "stdout=subprocess.PIPE, text=True); p.stdout.readline(); print(p.pid, flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", leader, child], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        child_pid = int(proc.stdout.readline())
+        pidfile = tmp_path / "service.pid"
+        pidfile.write_text(str(proc.pid))
+        assert sorted(group_members(proc.pid)) == sorted([proc.pid, child_pid])
+        started = time.monotonic()
+        assert stop_group(pidfile) is True
+        took = time.monotonic() - started
+        assert group_members(proc.pid) == [] and not pidfile.exists()
+        assert took < FOLLOW_S + 5, took  # not the whole SIGTERM wait
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _base_env() -> dict[str, str]:

@@ -98,8 +98,31 @@ def read_pid(pidfile: Path) -> int | None:
     return pid if _pid_alive(pid) else None
 
 
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of a process group; with no procfs, its leader if alive."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return [pgid] if _pid_alive(pgid) else []
+    members = []
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # a process that just ended
+        if int(fields[2]) == pgid and fields[0] != "Z":  # after the name: state, ppid, pgrp
+            members.append(int(stat.parent.name))
+    return members
+
+
+#: how long a group's other processes get to follow their leader out before the next signal
+FOLLOW_S = 2.0
+
+
 def stop_group(pidfile: Path, timeout: float = 15.0) -> bool:
-    """Stop the process group recorded in ``pidfile``; True if something was running."""
+    """Stop the process group recorded in ``pidfile``, every process of it; True if something was running.
+    SIGTERM, then SIGKILL for what is left after ``timeout``, or ``FOLLOW_S`` after the leader exited: a child
+    that outlives its leader (a Spark driver program whose JVM has gone, stuck in its shutdown) is stopped
+    too, not left behind."""
     pid = read_pid(pidfile)
     pidfile.unlink(missing_ok=True)
     if pid is None:
@@ -111,12 +134,12 @@ def stop_group(pidfile: Path, timeout: float = 15.0) -> bool:
             return True
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    return True
-            except ChildProcessError:
-                pass
-            if not _pid_alive(pid):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)  # reap the leader if it is ours
+            members = group_members(pid)
+            if not members:
                 return True
+            if pid not in members:
+                deadline = min(deadline, time.monotonic() + FOLLOW_S)
             time.sleep(0.1)
     return True
