@@ -40,22 +40,6 @@ def _client(url: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_connect_server_starts_answers_clients_and_stops(settings, tmp_path) -> None:
-    local = settings.with_overrides(home=tmp_path, spark_connect_port=free_port(), spark_ui_port=free_port(),
-                                    spark_master="local[2]")
-    server = SparkConnectServer(local)
-    down = _client(local.spark_connect_url)
-    assert "is not answering: start it with `make up`" in down["error"]
-    assert server.start() is True
-    try:
-        assert server.start() is False  # idempotent
-        assert "running (pid" in server.status() and local.spark_connect_url in server.status()
-        assert _client(local.spark_connect_url) == {"sum": 4950, "same": True}
-    finally:
-        assert server.stop() is True
-    assert server.status() == "spark: stopped"
-
-
 FROZEN_CLIENT = """
 import sys
 from millpond.config import load_settings
@@ -79,19 +63,30 @@ print("finished", flush=True)
 """
 
 
-def test_a_server_frozen_mid_batch_fails_it_within_the_spark_timeout(settings, tmp_path, pipeline_name) -> None:
-    """A paused Connect server (SIGSTOP: it still accepts connections) fails the running batch in about
-    ``spark.timeout`` with one line naming it, instead of hanging until the task's timeout."""
+def test_connect_server_starts_answers_clients_fails_a_frozen_batch_in_time_and_stops(settings, tmp_path,
+                                                                                      pipeline_name) -> None:
+    """One server's life: a client before it starts gets one line naming `make up`; started (idempotently), it
+    answers clients; paused (SIGSTOP: it still accepts connections), it fails the running batch in about
+    ``spark.timeout`` with one line naming it, instead of hanging until the task's timeout; stopped, nothing of
+    it is left."""
+    from millpond.orchestration.processes import group_members
+
     local = settings.with_overrides(home=tmp_path, spark_connect_port=free_port(), spark_ui_port=free_port(),
                                     spark_master="local[2]")
     server = SparkConnectServer(local)
-    server.start()
-    events = Path(__file__).parent / "scenarios" / "fig14_sessions_retracting.jsonl"
-    client = subprocess.Popen([sys.executable, "-c", FROZEN_CLIENT, local.spark_connect_url, pipeline_name,
-                               str(events)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=dict(os.environ))
+    down = _client(local.spark_connect_url)
+    assert "is not answering: start it with `make up`" in down["error"]
+    assert server.start() is True
     group = os.getpgid(read_pid(server.pidfile))
+    client = None
     try:
+        assert server.start() is False  # idempotent
+        assert "running (pid" in server.status() and local.spark_connect_url in server.status()
+        assert _client(local.spark_connect_url) == {"sum": 4950, "same": True}
+        events = Path(__file__).parent / "scenarios" / "fig14_sessions_retracting.jsonl"
+        client = subprocess.Popen([sys.executable, "-c", FROZEN_CLIENT, local.spark_connect_url, pipeline_name,
+                                   str(events)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=dict(os.environ))
         assert client.stdout.readline().strip() == "connected"
         time.sleep(4)  # inside the replay's first Spark batch (its first data-source read alone takes seconds)
         os.killpg(group, signal.SIGSTOP)
@@ -103,6 +98,8 @@ def test_a_server_frozen_mid_batch_fails_it_within_the_spark_timeout(settings, t
         assert waited < 8 + 5 + 30, waited  # the timeout, a probe interval, and closing the channel
     finally:
         os.killpg(group, signal.SIGCONT)
-        if client.poll() is None:
+        if client is not None and client.poll() is None:
             client.kill()
-        server.stop()
+        assert server.stop() is True
+    assert server.status() == "spark: stopped"
+    assert group_members(group) == []  # the driver program too, though its JVM left first
