@@ -58,7 +58,7 @@ def free_port(avoid: set[int] | None = None, twin: int | None = None) -> int:
     for _ in range(500):
         port = pick.randint(LOWEST_PORT, top) if top > LOWEST_PORT else _kernel_port()
         ports = {port, port + twin} if twin else {port}
-        if not ports & avoid and all(port_free(p) for p in ports):
+        if max(ports) < 65536 and not ports & avoid and all(port_free(p) for p in ports):
             return port
     raise MillpondError("no free loopback port found")
 
