@@ -61,6 +61,25 @@ def test_every_row_becomes_an_element_or_a_reason(case: Case) -> None:
 
 
 @pytest.mark.unit
+def test_nesting_is_bounded_before_parsing_and_brackets_in_strings_do_not_count() -> None:
+    """A line nested deeper than ``MAX_NESTING`` is quarantined without ``json`` recursing into it (a line at the
+    interpreter's recursion limit left no stack for finalizers meanwhile); up to the bound, and with any number
+    of brackets inside strings, a line is an element."""
+    from millpond.lake.rows import MAX_NESTING, parse_line
+
+    def line(extra: str) -> bytes:
+        head = '{"id": "n", "key": "k", "value": 1, "event_time": "2026-03-01T11:59:00Z", "x": '
+        return (head + extra + "}").encode()
+
+    kw = {"value_type": "int", "file_arrival_us": T0, "processing_time": T0 + MINUTE}
+    deepest = "[" * (MAX_NESTING - 1) + "]" * (MAX_NESTING - 1)  # inside the line's own object
+    assert parse_line(line(deepest), **kw)[2] is None
+    assert parse_line(line(json.dumps('[{"' * 10_000)), **kw)[2] is None
+    too_deep = parse_line(line("[" + deepest + "]"), **kw)
+    assert too_deep[0] == () and too_deep[2] == f"malformed JSON: nested more than {MAX_NESTING} levels deep"
+
+
+@pytest.mark.unit
 def test_landing_names_and_arrival_tags() -> None:
     for key in ("p/a.jsonl", "p/a.json", "p/a.ndjson", "p/a.JSONL", "p/a.jsonl.gz", "p/a.Json.GZ",
                 "p/a.jsonl.inprogress"):

@@ -87,8 +87,41 @@ def parse_line(raw_bytes: bytes, value_type: str, file_arrival_us: int, processi
     return row, raw, reason
 
 
+#: arrays and objects nested deeper than this are quarantined before ``json`` parses the line: it recurses once
+#: per level, and a line nested up to the interpreter's recursion limit leaves the process no stack meanwhile
+#: (a garbage collection's finalizers running then fail). Jackson's and simdjson's limits are about 1000.
+MAX_NESTING = 500
+
+
+def too_deep(raw: str) -> bool:
+    """Whether ``raw`` nests arrays or objects deeper than ``MAX_NESTING`` (brackets in strings do not count;
+    a line without that many brackets is not scanned)."""
+    if raw.count("[") + raw.count("{") <= MAX_NESTING:
+        return False
+    depth, in_string, escaped = 0, False, False
+    for ch in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_NESTING:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
+
+
 def parse_event(raw: str, value_type: str, file_arrival_us: int, processing_time: int) -> tuple[tuple, str | None]:
     """(id, key, value, event_time, arrival) of one JSON line, or the reason it cannot be an element."""
+    if too_deep(raw):
+        return (), f"malformed JSON: nested more than {MAX_NESTING} levels deep"
     try:
         obj: Any = json.loads(raw)
     except ValueError as exc:
