@@ -9,7 +9,7 @@ import json
 import random
 
 import pytest
-from millpond.errors import PipelineChanged
+from millpond.errors import MillpondError, PipelineChanged
 from millpond.lake.landing import arrival_tag
 from millpond.lake.objectstore import ObjectStore
 from millpond.model.spec import pipeline_from_dict
@@ -156,4 +156,60 @@ def test_a_rewind_cut_off_half_way_is_redone_whole(settings, tables, pipeline_na
     txn = rewind.Txn(app_id=rewind.rewind_app(name), version=1)
     tables.table(name, "panes").restore(r.targets["panes"], txn=txn)  # the first table only, then cut off
     reprocess(settings, tables, spec(name), 2, 5)
+    assert_like_a_fresh_run(settings, tables, name, files, spec(fresh), range(1, 6))
+
+
+def test_a_table_unchanged_since_the_rewind_point_is_left_as_it_is(settings, tables, pipeline_name) -> None:
+    """Issue 37 (1): one bad line in batch 1, so ``quarantine`` exists and never changes again; a rewind to
+    batch 3 restored every table, and delta-rs refuses to restore a table to its latest version: the rewind
+    stopped half-way, holding the lease. Now such a table is left as it is, and the result equals a fresh run."""
+    name, fresh = pipeline_name, f"{pipeline_name}_fresh"
+    files = events(6, 0, 6)
+    land(settings, name, files, "a")
+    bad = [(T0 + 30 * US, [{"id": "bad-1", "key": "u1", "value": "not a number", "event_time": "nope"}])]
+    land(settings, name, bad, "bad")
+    run(settings, spec(name), range(1, 7))
+    quarantine_version = tables.version(name, "quarantine")
+    assert tables.read_arrow(name, "quarantine").num_rows == 1
+    r = reprocess(settings, tables, spec(name), 3, 6)
+    assert (r.to_batch, r.last_batch) == (3, 6)
+    assert tables.version(name, "quarantine") == quarantine_version  # nothing to undo: no RESTORE
+    land(settings, fresh, bad, "bad")
+    assert_like_a_fresh_run(settings, tables, name, files, spec(fresh), range(1, 7))
+    # and a second reprocess over the same range works too
+    reprocess(settings, tables, spec(name), 2, 6)
+    assert content(tables, name) == content(tables, fresh)
+
+
+def test_a_retry_at_another_processing_time_redoes_the_planned_batch(settings, tables, pipeline_name,
+                                                                      monkeypatch) -> None:
+    """Issue 37 (3): batch 3 fails after its ``current`` commit; its retry runs at another processing time (the
+    next scheduled run, a manual trigger, ``millpond batch --at``). The plan pinned the files and versions but
+    not the clock, so the retry recomputed the watermark and the triggers at the new time while the tables the
+    first attempt committed were skipped: ``current`` named panes that ``panes`` never held. Now the plan pins
+    the processing time (and an explicit watermark): the retry redoes the batch as planned, says so, and the
+    tables equal a run that never failed."""
+    from millpond.runtime import commits
+
+    name, fresh = pipeline_name, f"{pipeline_name}_fresh"
+    files = events(8, 0, 5)
+    land(settings, name, files, "a")
+    run(settings, spec(name), range(1, 3))
+
+    def crash(step: str, batch: int) -> None:
+        if step == "current":
+            raise MillpondError("injected failure")
+
+    monkeypatch.setattr(commits, "crash_point", crash)
+    with pytest.raises(MillpondError, match="injected failure"):
+        run_batch(settings, spec(name), to_datetime(T0 + 3 * MINUTE))
+    monkeypatch.undo()
+    retried = run_batch(settings, spec(name), to_datetime(T0 + 3 * MINUTE + 40 * US))
+    assert retried.batch == 3 and to_us(retried.processing_time) == T0 + 3 * MINUTE
+    assert "re-run of the plan made at" in retried.summary()
+    run(settings, spec(name), range(4, 6))
+    current = {(r["key"], r["window_start"], r["pane_index"]) for r in tables.read_arrow(name, "current").to_pylist()}
+    panes = {(r["key"], r["window_start"], r["pane_index"]) for r in tables.read_arrow(name, "panes").to_pylist()
+             if r["kind"] == "value"}
+    assert current <= panes
     assert_like_a_fresh_run(settings, tables, name, files, spec(fresh), range(1, 6))

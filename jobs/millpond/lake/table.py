@@ -60,12 +60,15 @@ class Table:
 
     def restore(self, version: int, txn: Txn | None = None) -> int | None:
         """Make ``version``'s rows current again as a new commit (history and time travel keep the rest).
-        Returns the new version, or None when ``txn`` was applied already."""
+        Returns the new version, or None when ``txn`` was applied already. A table still at ``version`` is
+        left as it is (delta-rs refuses to restore a table to its latest version: nothing would change)."""
         dt = self.tables.open(self.pipeline, self.name)
         if dt is None:
             return None
         if self.tables.already_applied(dt, txn):
             return None
+        if dt.version() == version:
+            return version
         try:
             dt.restore(version, commit_properties=_commit(txn))
         except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line

@@ -267,15 +267,16 @@ class Tables:
             part = self._change_feed(pipeline, name, after + 1, upto, schema)
         return plain_strings(part).select(schema.names).cast(schema)
 
-    def rewound(self, pipeline: str, name: str, after: int | None, upto: int | None) -> int | None:
-        """The first commit after ``after`` up to ``upto`` that took rows away (a reprocess's RESTORE or
-        DELETE of an append-only table), or None: a reader of added rows cannot follow such a commit."""
-        if after is None or upto is None or upto <= after:
-            return None
-        for h in self.history(pipeline, name, (self.version(pipeline, name) or upto) - after + 1):
-            if after < h.get("version", -1) <= upto and h.get("operation") in ("RESTORE", "DELETE"):
-                return h["version"]
-        return None
+    def rewinds(self, pipeline: str, name: str, after: int | None, upto: int | None) -> list[int]:
+        """The commits after ``after`` (None: from the table's start) up to ``upto`` that took rows away (a
+        reprocess's RESTORE, or the DELETE that empties a table rewound to before its first batch), oldest
+        first: a reader of the rows that commits added cannot follow those."""
+        if upto is None or (after is not None and upto <= after):
+            return []
+        start = -1 if after is None else after
+        found = [h["version"] for h in self.history(pipeline, name, (self.version(pipeline, name) or upto) - start + 1)
+                 if start < h.get("version", -1) <= upto and h.get("operation") in ("RESTORE", "DELETE")]
+        return sorted(found)
 
     def _change_feed(self, pipeline: str, name: str, start: int, upto: int, schema: pa.Schema) -> pa.Table:
         """The rows inserted by the commits ``start`` to ``upto`` (both included), from the change feed."""
@@ -459,16 +460,6 @@ class Tables:
             return False
         try:
             dt.create_checkpoint()
-        except Exception as exc:  # noqa: BLE001
-            raise _wrap(exc, self.uri(pipeline, name), self.settings) from exc
-        return True
-
-    def delete(self, pipeline: str, name: str, predicate: str, txn: Txn | None = None) -> bool:
-        dt = self.open(pipeline, name)
-        if dt is None or self.already_applied(dt, txn):
-            return False
-        try:
-            dt.delete(predicate, commit_properties=_commit(txn), post_commithook_properties=self._hooks)
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, self.uri(pipeline, name), self.settings) from exc
         return True

@@ -57,6 +57,8 @@ class BatchResult:
     #: the data-quality report (millpond.quality.validation.QualityReport) when the batch was validated
     quality: Any = None
     reason: str = ""
+    #: how the batch ran where it differs from what was asked (a retry redoing its plan at the planned time)
+    note: str = ""
 
     def summary(self) -> str:
         if self.skipped:
@@ -69,6 +71,7 @@ class BatchResult:
             f"quarantined {c.get('quarantined', 0)}, panes {c.get('panes', 0)}"
             + (f", skipped {c['skipped']} (see `millpond history {self.pipeline}`)" if c.get("skipped") else "") + "; "
             + ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items())
+            + (f" ({self.note})" if self.note else "")
         )
 
 
@@ -157,7 +160,9 @@ class MicroBatch:
         t.label = self.label = f"{self.name} batch {batch}"
         txn = self.txn(batch)
         w_in = to_us(prev["watermark"]) if prev else MIN_TS
-        the_plan = plan.plan_batch(self, batch, txn, found, prev, P)
+        explicit = to_us(explicit_watermark) if explicit_watermark is not None else None
+        the_plan = plan.plan_batch(self, batch, txn, found, prev, P, explicit)
+        P, explicit_watermark, note = plan.pinned_clock(the_plan, P, explicit)
         plan.start_upkeep(self, batch)
         t.lap("plan", files=len(the_plan["files"]), held=len(the_plan["held"]) or None,
               skipped=len(the_plan["skipped"]) or None)
@@ -170,7 +175,8 @@ class MicroBatch:
                                                              explicit_watermark, t)
             counts["skipped"] = len(the_plan["skipped"])
             self._finish(txn, clock, max_et, counts, t)
-            return BatchResult(self.name, batch, to_datetime(P), to_datetime(clock.watermark), counts, t.phases)
+            return BatchResult(self.name, batch, to_datetime(P), to_datetime(clock.watermark), counts, t.phases,
+                               note=note)
         t.begin("ingest", files=len(the_plan["files"]))
         if self.spec.upstream is not None:
             good, bad = upstream.read_upstreams(self, the_plan), []
@@ -192,7 +198,8 @@ class MicroBatch:
                   "late": 0, "panes": 0, "retractions": 0, "state_rows_read": 0, "skipped": len(the_plan["skipped"]),
                   **outputs}
         self._finish(txn, clock, max_et, counts, t)
-        return BatchResult(self.name, batch, to_datetime(P), to_datetime(clock.watermark), counts, t.phases)
+        return BatchResult(self.name, batch, to_datetime(P), to_datetime(clock.watermark), counts, t.phases,
+                           note=note)
 
     @staticmethod
     def _planned_bytes(listing: list[StoredObject], the_plan: dict[str, Any]) -> int:
@@ -239,6 +246,3 @@ class MicroBatch:
     # for MillWheel computations, which commit their own tables (see ``runtime.computation``)
     def _step(self, name: str, write: Any, table: str | None = None) -> None:
         self.commits.step(name, write, table)
-
-    def _plan_landed(self) -> None:
-        self.commits.plan_landed()

@@ -15,7 +15,7 @@ from millpond.lake.schemas import PLAN_SCHEMA
 from millpond.lake.tables import Txn
 from millpond.model.listing import FULL
 from millpond.model.panes import TS
-from millpond.model.timeutil import to_us
+from millpond.model.timeutil import iso, to_us
 from millpond.runtime.assembly import ts_array
 from millpond.runtime.commits import concurrently
 from millpond.runtime.steps.upstream import plan_upstreams, upstream_marks
@@ -88,7 +88,8 @@ def plan_of(log: pa.Table, batch: int) -> dict[str, Any] | None:
     row, held = planned[0], holds(rows)
     pairs = [(f, a) for f, a in zip(row["files"], row["file_arrivals"], strict=True) if f not in held]
     return {"files": [f for f, _ in pairs], "arrivals": [a for _, a in pairs], "versions": json.loads(row["versions"]),
-            "skipped": json.loads(row.get("skipped") or "{}"), "held": held}
+            "skipped": json.loads(row.get("skipped") or "{}"), "held": held,
+            "processing_time": to_us(row["processing_time"]) if row.get("processing_time") is not None else None}
 
 
 def holds(rows: list[dict[str, Any]]) -> dict[str, str]:
@@ -133,9 +134,11 @@ def pending_files(listing: list[StoredObject], log: pa.Table, processing_time: i
 
 
 def plan_batch(job: BatchContext, batch: int, txn: Txn, found: dict[str, Any], prev: dict[str, Any] | None,
-               processing_time: int) -> dict[str, Any]:
+               processing_time: int, explicit_watermark: int | None = None) -> dict[str, Any]:
     """This batch's plan: the one a crashed attempt committed, or a new one, whose commit then runs while
-    the planned files are read (nothing else commits before it has landed)."""
+    the planned files are read (nothing else commits before it has landed). A plan pins the batch's clock
+    too (its processing time, an explicit watermark): a retry at another time redoes the same batch, whose
+    commits that landed before the crash were computed with that clock."""
     plan = plan_of(found["log"], batch)
     # Output tables the last marker found absent need no probe for this one (~10 ms each): only a batch
     # creates them, holding the lease, and its marker follows all its commits; before the first marker,
@@ -147,11 +150,12 @@ def plan_batch(job: BatchContext, batch: int, txn: Txn, found: dict[str, Any], p
     files, oldest_pending, skipped = pending_files(found["landing"], found["log"], processing_time)
     versions = {name: found[f"version:{name}"] for name in job.state_tables}
     versions["oldest_pending"] = oldest_pending
+    versions["explicit_watermark"] = explicit_watermark
     if job.spec.upstream is not None:
         versions |= plan_upstreams(job, found["log"], batch, found["upstreams"])
     held = holds(found["log"].filter(pc.field("batch") == batch).to_pylist())
     plan = {"files": [f.key for f in files], "arrivals": [f.arrival for f in files], "versions": versions,
-            "skipped": skipped, "held": held}
+            "skipped": skipped, "held": held, "processing_time": processing_time}
     row = plan_row(batch, processing_time, plan)
     job.commits.plan_commit = job.background.submit(
         job.commits.commit_now, "ingest_log", lambda: job.tables.append(job.name, "ingest_log", row, txn=txn),
@@ -176,3 +180,20 @@ def start_upkeep(job: BatchContext, batch: int) -> None:
     turn = turns[batch % len(turns)]
     first = job.commits.plan_commit if turn[1] == "ingest_log" else None
     job.commits.upkeep = job.background.submit(maintain, job.tables, job.name, batch, turn, first)
+
+
+def pinned_clock(the_plan: dict[str, Any], asked: int, explicit: int | None) -> tuple[int, int | None, str]:
+    """The batch's processing time and explicit watermark as its plan pinned them, and a note for the summary
+    line when they differ from what this run asked for. A plan from before the clock was pinned keeps the
+    asked-for explicit watermark."""
+    planned = the_plan.get("processing_time")
+    versions = the_plan["versions"]
+    pinned = versions["explicit_watermark"] if "explicit_watermark" in versions else explicit
+    at = asked if planned is None else planned
+    notes = []
+    if at != asked:
+        notes.append(f"re-run of the plan made at {iso(at)}, not at {iso(asked)} as asked: a retry redoes the "
+                     "batch its first attempt planned")
+    if pinned != explicit:
+        notes.append(f"explicit watermark {iso(pinned) if pinned is not None else 'none'} as planned")
+    return at, pinned, "; ".join(notes)

@@ -9,6 +9,13 @@ the next batch. Only the rows the range's commits added are read (``Tables.read_
 feed, which skips compactions). Each pane becomes one element (``model.stages`` says how); its id names
 the upstream, key, window, pane index and kind, so the dedup step drops a pane taken twice. The batch's
 input watermark is the least of the upstreams' recorded watermarks (``input_watermark``).
+
+A version names the upstream's panes as they were then (None: none). What a stage has consumed is always the
+content of the version its last plan names, and a batch consumes the difference to the version its upstream's
+marker names now: usually the rows the commits in between appended; across an upstream reprocess (a RESTORE or
+DELETE in between, or a marker behind what was consumed) the rows one version holds and the other does not,
+above the batches both still share: the added ones count, the removed ones are taken back. So a stage that lags
+its upstream, two rewinds inside one range, or a marker that a rewind moved back are all the same case.
 """
 
 from __future__ import annotations
@@ -36,16 +43,16 @@ if TYPE_CHECKING:
 SMALL_IN_LIST = 200
 
 
-def upstream_marks(job: BatchContext, processing_time: int) -> dict[str, dict[str, Any] | None]:
+def upstream_marks(job: BatchContext, processing_time: int) -> dict[str, dict[str, Any]]:
     """Each upstream's last committed marker at or before the stage's processing time: its batch, watermark
-    (us), panes version and semantic spec (None: no such batch yet). Bounded by the processing time, a stage's
-    batch reads the same upstream batches whenever it runs (live, late, or in a backfill), as long as its
-    upstreams have committed them."""
-    out: dict[str, dict[str, Any] | None] = {}
+    (us), panes version and semantic spec (None each: no such batch), and the upstream's epoch. Bounded by the
+    processing time, a stage's batch reads the same upstream batches whenever it runs (live, late, or in a
+    backfill), as long as its upstreams have committed them."""
+    out: dict[str, dict[str, Any]] = {}
     for name in job.spec.upstream.pipelines:
         epoch, done = _marks_in_one_epoch(job, name, processing_time)
-        if not done:
-            out[name] = None
+        if not done:  # none yet, or a reprocess rewound the upstream to before its first batch
+            out[name] = {"batch": None, "watermark": None, "panes": None, "spec": None, "epoch": epoch}
             continue
         last = max(done, key=lambda r: r["batch"])
         out[name] = {"batch": last["batch"], "watermark": to_us(last["watermark"]) if last["watermark"] else None,
@@ -66,12 +73,19 @@ def _marks_in_one_epoch(job: BatchContext, name: str, processing_time: int) -> t
 
 
 def consumed(log: pa.Table, batch: int, upstream: str) -> int | None:
-    """The upstream panes version that this stage's earlier batches consumed up to (None: nothing yet).
-    Every plan of an earlier batch belongs to a committed batch (a batch plans after the previous marker)."""
-    done = [json.loads(text).get(f"upstream:{upstream}") for b, text in
-            zip(log.column("batch").to_pylist(), log.column("versions").to_pylist(), strict=True)
-            if b < batch and text]
-    return max((v for v in done if v is not None), default=None)
+    """The upstream panes version whose content this stage's earlier batches consumed (None: nothing): the one
+    its last plan names. Every plan of an earlier batch belongs to a committed batch (a batch plans after the
+    previous marker), and a rewind of the stage takes the later plans away with the batches."""
+    return (last_plan(log, batch) or {}).get(f"upstream:{upstream}")
+
+
+def last_plan(log: pa.Table, batch: int) -> dict[str, Any] | None:
+    """The versions of the last plan before ``batch`` (None: it is the first)."""
+    latest: tuple[int, str] | None = None
+    for b, text in zip(log.column("batch").to_pylist(), log.column("versions").to_pylist(), strict=True):
+        if b < batch and text and (latest is None or b > latest[0]):
+            latest = (b, text)
+    return None if latest is None else json.loads(latest[1])
 
 
 def plan_upstreams(job: BatchContext, log: pa.Table, batch: int, marks: dict[str, dict[str, Any] | None]
@@ -79,26 +93,27 @@ def plan_upstreams(job: BatchContext, log: pa.Table, batch: int, marks: dict[str
     """The plan's entries for the upstreams: ``upstream:NAME`` (the panes version consumed up to) and
     ``upstreams`` ({NAME: from, to, watermark, batch, accumulation})."""
     out: dict[str, Any] = {"upstreams": {}}
+    last = last_plan(log, batch) or {}
     for name, mark in marks.items():
-        before = consumed(log, batch, name)
-        upto = mark["panes"] if mark and mark["panes"] is not None else before
-        if before is not None and upto is not None and upto < before and (
-                (latest := job.tables.version(name, "panes")) is not None and latest > before):
-            # The upstream was rewound to a batch before those consumed: its last marker names the version
-            # that batch wrote, and the rewind's commit holds the same rows again. Read up to that commit.
-            upto = job.tables.rewound(name, "panes", before, latest) or upto
+        before = last.get(f"upstream:{name}")
+        upto = mark["panes"]
         if before is not None and (upto is None or upto < before):
-            raise MillpondError(f"{job.name}: upstream {name}'s panes are at version {upto}, behind version {before} "
-                                f"this pipeline consumed: was {name} reset? Reset {job.name} too (`millpond reset "
-                                f"{job.name}`), then backfill it")
-        spec = json.loads(mark["spec"]) if mark and mark.get("spec") else {}
+            latest = job.tables.version(name, "panes")
+            if latest is None or latest < before or not job.tables.rewinds(name, "panes", upto, latest):
+                # Versions only go back when the table is made anew: not a rewind (which commits), a reset.
+                raise MillpondError(f"{job.name}: upstream {name}'s panes are at version {latest}, behind version "
+                                    f"{before} this pipeline consumed, with no reprocess in between: {name} was "
+                                    f"reset. Reset {job.name} too (`millpond reset {job.name}`), then backfill it")
+        spec = json.loads(mark["spec"]) if mark.get("spec") else {}
         if spec:
             check_upstream(job.name, name, spec, job.spec.value_type)
+        # With no marker left (rewound to before its first batch), the panes taken back were read as the last
+        # plan read them: an upstream's accumulation changes only with a reset.
+        was = (last.get("upstreams") or {}).get(name) or {}
         out[f"upstream:{name}"] = upto
-        out["upstreams"][name] = {"from": before, "to": upto, "watermark": mark["watermark"] if mark else None,
-                                  "batch": mark["batch"] if mark else None,
-                                  "accumulation": spec.get("accumulation", "accumulating"),
-                                  "epoch": mark["epoch"] if mark else 0}
+        out["upstreams"][name] = {"from": before, "to": upto, "watermark": mark["watermark"], "batch": mark["batch"],
+                                  "accumulation": spec.get("accumulation", was.get("accumulation", "accumulating")),
+                                  "epoch": mark["epoch"]}
     return out
 
 
@@ -109,20 +124,16 @@ def input_watermark(plan: dict[str, Any]) -> int:
 
 
 def read_upstreams(job: BatchContext, plan: dict[str, Any]) -> pa.Table:
-    """The planned upstream panes as elements (``event_schema``), in (upstream, batch, seq) order."""
+    """The planned upstream panes as elements (``event_schema``): per upstream, the panes taken back, then
+    the panes added, each in (batch, seq) order."""
     parts = []
     schema = pane_schema(job.spec.value_type)
     for name, rng in (plan["versions"].get("upstreams") or {}).items():
-        start = rng["from"]
-        while (rewound := job.tables.rewound(name, "panes", start, rng["to"])) is not None:
-            # a reprocess of the upstream: undo what the stage took from the panes it took away
-            undone = removed_panes(job, name, start, rewound, schema)
-            if undone.num_rows:
-                parts.append(pane_elements(job, name, _ordered(undone), {**rng, "to": start}, undo=rewound))
-            start = rewound
-        rows = job.tables.read_added(name, "panes", start, rng["to"], schema)
-        if rows.num_rows:
-            parts.append(pane_elements(job, name, _ordered(rows), rng))
+        removed, added = changed_panes(job, name, rng["from"], rng["to"], schema)
+        if removed.num_rows:
+            parts.append(pane_elements(job, name, _ordered(removed), {**rng, "to": rng["from"]}, undo=True))
+        if added.num_rows:
+            parts.append(pane_elements(job, name, _ordered(added), rng))
     if not parts:
         return event_schema(job.spec.value_type).empty_table()
     return pa.concat_tables(parts)
@@ -133,22 +144,56 @@ def _ordered(rows: pa.Table) -> pa.Table:
                          ("window_start", "ascending"), ("kind", "ascending")])
 
 
-def removed_panes(job: BatchContext, name: str, consumed_to: int, rewound: int, schema: pa.Schema) -> pa.Table:
-    """The upstream panes this stage consumed (up to version ``consumed_to``) that its rewind at version
-    ``rewound`` took away: a rewind goes back to the end of an earlier batch, so those are the rows of the
-    batches after the last one still there."""
-    kept = job.tables.read_arrow(name, "panes", version=rewound, columns=["batch"])
-    last = pc.max(kept.column("batch")).as_py() if kept.num_rows else None
-    rows = job.tables.select(name, "panes", f"batch > {int(last or 0)}", version=consumed_to, schema=schema)
+def changed_panes(job: BatchContext, name: str, before: int | None, upto: int | None, schema: pa.Schema
+                  ) -> tuple[pa.Table, pa.Table]:
+    """(removed, added): the upstream panes that the content of version ``before`` holds and that of ``upto``
+    does not, and the other way round (None: no panes). Without a rewind in between, the rows the commits
+    appended (the change feed); across one, the two contents compared above the batches they share."""
+    empty = schema.empty_table()
+    if before == upto:
+        return empty, empty
+    if before is None or (upto is not None and upto > before and not job.tables.rewinds(name, "panes", before, upto)):
+        return empty, job.tables.read_added(name, "panes", before, upto, schema)
+    lo, hi = sorted((-1 if v is None else v) for v in (before, upto))
+    shared = min([_last_batch(job, name, before), _last_batch(job, name, upto)]
+                 + [_last_batch(job, name, v) for v in job.tables.rewinds(name, "panes", lo, hi)])
+    old, new = (_panes_after(job, name, v, shared, schema) for v in (before, upto))
+    old_ids, new_ids = _row_ids(old), _row_ids(new)
+    return old.filter(pc.invert(pc.is_in(old_ids, value_set=new_ids))), new.filter(
+        pc.invert(pc.is_in(new_ids, value_set=old_ids)))
+
+
+def _last_batch(job: BatchContext, name: str, version: int | None) -> int:
+    """The upstream's last batch in its panes at ``version`` (0: none). A rewind goes back to the end of an
+    earlier batch and batches append, so two contents share every batch up to the least of these."""
+    if version is None:
+        return 0
+    rows = job.tables.read_arrow(name, "panes", version=version, columns=["batch"])
+    return int(pc.max(rows.column("batch")).as_py() or 0) if rows.num_rows else 0
+
+
+def _panes_after(job: BatchContext, name: str, version: int | None, batch: int, schema: pa.Schema) -> pa.Table:
+    if version is None:
+        return schema.empty_table()
+    rows = job.tables.select(name, "panes", f"batch > {int(batch)}", version=version, schema=schema)
     return rows.select(schema.names).cast(schema)
 
 
-def pane_elements(job: BatchContext, name: str, rows: pa.Table, rng: dict[str, Any], undo: int | None = None
+def _row_ids(rows: pa.Table) -> pa.Array:
+    """Each pane row as one string of all its columns: two versions hold the same pane when all agree."""
+    if not rows.num_rows:
+        return pa.array([], pa.string())
+    cols = [pc.fill_null(pc.cast(rows.column(c), pa.string()), "\\N") for c in rows.column_names]
+    return pc.binary_join_element_wise(*cols, "\x1f")
+
+
+def pane_elements(job: BatchContext, name: str, rows: pa.Table, rng: dict[str, Any], undo: bool = False
                   ) -> pa.Table:
     """One element per pane: what the pane changed in its window's value (``model.stages``). ``undo``: the
-    panes were taken away by the upstream's rewind at that version, so each element takes back what the
-    pane gave. Ids name the upstream's epoch (its rewinds so far: a reprocessed pane is a new pane, not a
-    duplicate of the one it replaces), and an undo names its rewind."""
+    panes were taken away by an upstream reprocess, so each element takes back what the pane gave. Ids name
+    the upstream's epoch (its rewinds so far: a reprocessed pane is a new pane, not a duplicate of the one it
+    replaces); an undo is marked as one, and a pane is taken back at most once per epoch (taking it back
+    needs a rewind after it was taken)."""
     up = job.spec.upstream
     value = rows.column("value")
     retraction = pc.equal(rows.column("kind"), "retraction")
@@ -156,10 +201,10 @@ def pane_elements(job: BatchContext, name: str, rows: pa.Table, rng: dict[str, A
         value = pc.if_else(retraction, pc.negate(value), value)
     elif rng["accumulation"] == "accumulating":
         value = pc.subtract(value, previous_values(job, name, rows, rng["to"]))
-    if undo is not None:
+    if undo:
         value = pc.negate(value)
     epoch = rng.get("epoch") or 0
-    tag = (f"undo@{undo}|" if undo is not None else "") + (name if not epoch else f"{name}#{epoch + 1}")
+    tag = ("undo|" if undo else "") + (name if not epoch else f"{name}#{epoch + 1}")
     start, end = (pc.cast(rows.column(c), pa.int64()) for c in ("window_start", "window_end"))
     ids = pc.binary_join_element_wise(
         pa.array(np.full(rows.num_rows, tag, object), pa.string()), rows.column("key"),
