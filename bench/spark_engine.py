@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import millpond
 from millpond.orchestration.processes import free_port, read_pid
-from millpond.orchestration.spark_server import SparkConnectServer
+from millpond.orchestration.spark_server import SparkConnectServer, stack_token
 
 if TYPE_CHECKING:
     from bench.workload import Workload
@@ -106,6 +106,8 @@ class SparkEngineMeasures:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(millpond.__file__).resolve().parents[1]),
                                                           str(BENCH_ROOT), env.get("PYTHONPATH")]))
+        if self.connect_server is not None:  # the bench's server serves only holders of its token, as the stack's
+            env["MILLPOND_SPARK_CONNECT_TOKEN"] = stack_token(self.connect_server.settings)
         spawned = time.time()
         proc = subprocess.run([sys.executable, "-m", "bench.connect_client", str(req), str(out)], env=env,
                               cwd=BENCH_ROOT, capture_output=True, text=True, timeout=timeout)

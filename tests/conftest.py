@@ -4,6 +4,7 @@ SparkSession. Every process a fixture starts, it stops."""
 from __future__ import annotations
 
 import os
+import secrets
 import tempfile
 import uuid
 from pathlib import Path
@@ -18,7 +19,8 @@ from millpond.orchestration.store import EmbeddedStore, isolated_store_env
 SERVICE_FIXTURES = frozenset({"settings", "tables", "spark", "airflow_stack", "millpond_home", "pipeline_name"})
 MODEL_TEST_MODULES = frozenset({"test_custom_strategies", "test_computation", "test_fast_paths", "test_watermark",
                                 "test_dags", "test_properties", "test_settings", "test_layers",
-                                "test_pipeline_versions", "test_stages", "test_listing", "test_file_stats"})
+                                "test_pipeline_versions", "test_stages", "test_listing", "test_file_stats",
+                                "test_docs_commands"})
 
 
 #: modules that share one worker of a parallel run (``make test``: pytest-xdist): those using the session's
@@ -74,6 +76,8 @@ def settings(millpond_home: Path) -> Settings:
     """A running embedded object store; the process environment points at it for the session."""
     env = free_store_env(millpond_home)
     env["MILLPOND_ENGINE"] = "local"  # the shipped default is spark; tests that want it say so
+    # the Connect servers tests start and their clients share one token (a server refuses clients without it)
+    env["MILLPOND_SPARK_CONNECT_TOKEN"] = secrets.token_urlsafe(32)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     s = load_settings()

@@ -3,15 +3,18 @@ windows formed on columns, and Spark."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pyarrow as pa
 import pytest
+from millpond.lake.landing import arrival_tag
 from millpond.lake.objectstore import ObjectStore
 from millpond.model.spec import pipeline_from_dict
-from millpond.model.timeutil import to_datetime
+from millpond.model.timeutil import US, iso, to_datetime, to_us
 from millpond.runtime import cores, layout
 from millpond.runtime.job import run_batch
+from millpond.runtime.steps.dedup import SEEN_FOLD_OVER_FILES
 from session_specs import SESSIONS
 
 from bench.workload import WorkloadSpec, generate, land
@@ -146,4 +149,95 @@ def test_spark_and_element_paths_match_the_driver_path(settings, tables, spark, 
         other = _tables(tables, names[path])
         for table in driver:
             assert ([r.replace(names["driver"], "P") for r in driver[table]]
+                    == [r.replace(names[path], "P") for r in other[table]]), (path, table)
+
+
+T0 = to_us("2026-03-02T00:00:00Z")
+MINUTE = 60 * US
+#: batches of SESSIONS (every 5m, watermark 2m behind processing time; allowed lateness 10m: ids are kept for
+#: 15m behind the input watermark). Record ``a`` comes first; five batches accept ids (seen_ids then has
+#: SEEN_FOLD_OVER_FILES + 1 files, none folded yet; a quiet batch in between); then a quiet batch (no files, its
+#: input watermark 13m past ``a``), a batch whose one file holds only a re-delivery (it reads a file and accepts
+#: nothing), and ``a`` delivered again after them, with fresh records.
+FRESH = (1, 2, 4, 5, 6, 9)
+EXTRA = {1: [("a", "k0", T0 + MINUTE)],
+         5: [("late5", "k1", T0 + 30 * US)],  # its session closed for good at T0 + 15m30s
+         8: [("e6_0", "k0", T0 + 26 * MINUTE)],  # accepted by batch 6
+         9: [("a", "k0", T0 + MINUTE)]}
+
+
+def _landed(batch: int) -> list[tuple[str, str, int]]:
+    """(id, key, event time) of the records of the batch's file (none: no file)."""
+    at = T0 + batch * 5 * MINUTE
+    fresh = [(f"e{batch}_{i}", f"k{i % 3}", at - 4 * MINUTE + i * 30 * US) for i in range(6)] if batch in FRESH else []
+    return EXTRA.get(batch, []) + fresh
+
+
+def _seen_history(tables, name: str) -> list[tuple[int, int | None, bool, list[str]]]:
+    """seen_ids as each batch's marker names it: (batch, its version counted from the first batch's, whether
+    the batch committed to it, its rows). (Counted: a table the Spark engine creates starts with an empty
+    version 0, the local engine's first write is its version 0.)"""
+    marks = sorted(tables.read_arrow(name, "batches", columns=["batch", "versions"]).to_pylist(),
+                   key=lambda r: r["batch"])
+    out, before, first = [], None, None
+    for m in marks:
+        version = json.loads(m["versions"])["seen_ids"]
+        first = version if first is None else first
+        rows = [] if version is None else tables.read_arrow(name, "seen_ids", version=version).to_pylist()
+        out.append((m["batch"], None if version is None else version - first, version != before,
+                    sorted(repr(sorted(r.items())) for r in rows)))
+        before = version
+    return out
+
+
+def test_quiet_batches_leave_seen_ids_alone_on_every_engine(settings, tables, spark, pipeline_name) -> None:
+    """Issue 36: a batch that accepts nothing (no files, or only duplicates) writes nothing to seen_ids, so it
+    folds nothing either, on the local engine, the Spark plan and the one task alike. The plan folded
+    (expired ids) on such batches, so that ``a``, re-delivered after them, was a late row there and a
+    duplicate on the local engine."""
+    store = ObjectStore(settings)
+    doc = {**SESSIONS, "allowed_lateness": "10m"}
+    names, results = {}, {}
+
+    def run(path: str) -> None:
+        name = names[path] = f"{pipeline_name}_{path}"
+        spec = pipeline_from_dict({"name": name, "source": {"prefix": f"{name}/"}, **doc})
+        chosen = settings.with_overrides(engine="local" if path == "local" else "spark", engine_local_below=0,
+                                         driver_workers=0, engine_one_task_below=10**6 if path == "one_task" else 0)
+        for b in range(1, 11):
+            processing_time = T0 + b * 5 * MINUTE
+            rows = _landed(b)
+            if rows:
+                body = "".join(json.dumps({"id": i, "key": k, "value": 1, "event_time": iso(t)}) + "\n"
+                               for i, k, t in rows)
+                store.put_bytes(settings.bucket_landing, f"{name}/{arrival_tag(processing_time - 30 * US)}-{b}.jsonl",
+                                body.encode())
+            result = run_batch(chosen, spec, to_datetime(processing_time), spark=None if path == "local" else spark)
+            assert ("spark_task" in result.phases) == (path == "one_task")
+            results[path, b] = result.counts
+
+    run("local")
+    local = _tables(tables, names["local"])
+    assert local["panes"] and local["current"] and local["late"]
+    assert results["local", 8]["accepted"] == 0 and results["local", 8]["duplicates"] == 1
+    # a's id, accepted by batch 1, is still remembered when it comes again: a duplicate, not a late row
+    assert (results["local", 9]["duplicates"], results["local", 9]["late"]) == (1, 0)
+    history = _seen_history(tables, names["local"])
+    # nothing accepted, nothing written; batch 9 found SEEN_FOLD_OVER_FILES + 1 files and folded them
+    assert [b for b, _, wrote, _ in history if wrote] == [1, 2, 4, 5, 6, 9]
+    assert len([b for b, _, wrote, _ in history if wrote and b < 7]) == SEEN_FOLD_OVER_FILES + 1
+    has_a = [any("('id', 'a')" in r for r in rows) for _, _, _, rows in history]
+    assert has_a == [True] * 8 + [False] * 2  # expired by batch 9's fold, not before
+    classes = ("input", "accepted", "duplicates", "late", "quarantined", "panes", "retractions")
+    for path in ("spark", "one_task"):
+        run(path)
+        for b in range(1, 11):
+            assert ({c: results[path, b][c] for c in classes}
+                    == {c: results["local", b][c] for c in classes}), (path, b)
+        assert [(b, v, wrote, [r.replace(names[path], "P") for r in rows]) for b, v, wrote, rows
+                in _seen_history(tables, names[path])] == [
+            (b, v, wrote, [r.replace(names["local"], "P") for r in rows]) for b, v, wrote, rows in history], path
+        other = _tables(tables, names[path])
+        for table in local:
+            assert ([r.replace(names["local"], "P") for r in local[table]]
                     == [r.replace(names[path], "P") for r in other[table]]), (path, table)

@@ -13,7 +13,13 @@ from datetime import UTC, datetime, timedelta
 import pyarrow as pa
 import pytest
 from millpond.errors import MillpondError
+from millpond.lake.landing import arrival_tag
+from millpond.lake.objectstore import ObjectStore
+from millpond.lake.schemas import BATCHES_SCHEMA
 from millpond.lake.tables import Tables
+from millpond.model.spec import pipeline_from_dict
+from millpond.model.timeutil import to_us
+from millpond.runtime.job import run_batch
 from millpond.surface.query import history, render, rewrite, run_query
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -139,3 +145,57 @@ def test_cli_query_and_unknown_table(settings, lake: str) -> None:
                           capture_output=True, text=True, timeout=120)
     assert hist.returncode == 0, hist.stderr
     assert [r["version"] for r in csv.DictReader(io.StringIO(hist.stdout))] == ["2", "1", "0"]
+
+
+# -- reads at the last committed marker (issue 37, 8) ------------------------------------------------------
+def committed_batch(settings, name: str, minute: int, keys: list[str], late: list[str] = ()) -> None:
+    """A real batch of a per-minute count at ``minute`` over one landing file: one event per key a minute
+    earlier (the watermark, at the processing time, closes its window: one pane per key), and one per ``late``
+    key at T0 (behind the watermark of an earlier batch: a ``late`` row)."""
+    spec = pipeline_from_dict({"name": name, "source": {"prefix": f"{name}/"},
+                               "window": {"type": "fixed", "size": "1m"}, "aggregation": "count",
+                               "watermark": {"policy": "processing_time", "lag": 0}})
+    at = T0 + timedelta(minutes=minute)
+    events = [(k, at - timedelta(seconds=50)) for k in keys] + [(k, T0) for k in late]
+    body = "".join(json.dumps({"id": f"{k}{minute}", "key": k, "value": 1, "event_time": t.isoformat()}) + "\n"
+                   for k, t in events)
+    ObjectStore(settings).put_bytes(settings.bucket_landing, f"{name}/{arrival_tag(to_us(at) - 10**6)}-{minute}.jsonl",
+                                    body.encode())
+    counts = run_batch(settings, spec, at).counts
+    assert (counts["panes"], counts["late"]) == (len(keys), len(late))
+
+
+def crash_before_marker(tables: Tables, name: str) -> None:
+    """What a batch that died between its commits and its marker leaves: ``panes`` rows (here, the last batch's
+    again) and the first rows of ``late``, a table the last marker names as not created yet."""
+    tables.append(name, "panes", tables.read_arrow(name, "panes"))
+    late = pa.table({"id": ["x"], "key": ["a"], "value": pa.array([1], pa.int64()), "event_time": pa.array([T0], TS),
+                     "arrival_time": pa.array([T0], TS), "reason": ["beyond allowed lateness"],
+                     "batch": pa.array([2], pa.int64())})
+    tables.append(name, "late", late)
+
+
+def marker_versions(tables: Tables, name: str) -> dict:
+    done = tables.read_arrow(name, "batches", schema=BATCHES_SCHEMA).sort_by("batch").to_pylist()
+    return json.loads(done[-1]["versions"])
+
+
+def test_a_query_sees_no_half_batch(settings, tables: Tables, pipeline_name: str) -> None:
+    """Tables are read at the versions the last committed marker names; time travel still reads what it names."""
+    name = pipeline_name
+    committed_batch(settings, name, 2, ["a", "b"])
+    assert "late" in marker_versions(tables, name) and marker_versions(tables, name)["late"] is None
+    crash_before_marker(tables, name)
+
+    def count(table: str, as_of: str | None = None) -> int:
+        return run_query(settings, f"SELECT count(*) AS n FROM {table}", as_of=as_of).column("n").to_pylist()[0]
+
+    assert count(f"{name}.panes") == 2  # not the uncommitted copies
+    assert count(f"{name}.late") == 0  # created by the uncommitted batch: empty, with its columns
+    assert run_query(settings, f"SELECT id, reason FROM {name}.late").column_names == ["id", "reason"]
+    assert count(f"{name}.batches") == 1  # not named by the marker: latest
+    assert count(f"{name}.panes@v1") == 4 and count(f"{name}.panes", as_of="1") == 4  # asked for: as asked
+    joined = run_query(settings, f"SELECT count(*) AS n FROM {name}.panes p JOIN {name}.late l ON p.key = l.key")
+    assert joined.column("n").to_pylist() == [0]
+    committed_batch(settings, name, 4, ["c"], late=["d"])  # its marker names the versions after its commits
+    assert count(f"{name}.panes") == 5 and count(f"{name}.late") == 2

@@ -1,6 +1,7 @@
 """The stack's warm Spark: a Connect server from pyspark's jars on loopback, tasks as clients; a stopped
-server is one line that names `make up`. Clients run in their own process, as Airflow tasks do (a process
-with a classic Spark session, like this test run's, cannot open a Connect session)."""
+server is one line that names `make up`; only clients with the stack's token run code on it. Clients run in
+their own process, as Airflow tasks do (a process with a classic Spark session, like this test run's, cannot
+open a Connect session)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,44 @@ print(json.dumps({"sum": spark.range(100).selectExpr("sum(id) AS s").collect()[0
 """
 
 
-def _client(url: str) -> dict:
+#: where a client finds a token besides its settings: none of them leaks from this run's environment
+TOKEN_VARS = ("MILLPOND_SPARK_CONNECT_TOKEN", "SPARK_CONNECT_AUTHENTICATE_TOKEN")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in TOKEN_VARS} | extra
+
+
+def _client(url: str, **env: str) -> dict:
     out = subprocess.run([sys.executable, "-c", CLIENT, url], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ))
+                         env=_env(**env))
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+REFUSED = """
+import json, sys
+from pyspark.sql import SparkSession
+out = {}
+for name, url in json.loads(sys.argv[1]).items():  # plain pyspark clients, each its own session
+    try:
+        out[name] = SparkSession.builder.remote(url).create().range(10).selectExpr("sum(id) AS s").collect()[0]["s"]
+    except Exception as exc:
+        out[name] = " ".join(str(exc).split())[:400]
+from millpond.config import load_settings
+from millpond.errors import MillpondError
+from millpond.runtime.spark_client import connect
+try:  # Millpond's own client, its token (MILLPOND_SPARK_CONNECT_TOKEN) wrong
+    out["millpond"] = connect(load_settings().with_overrides(spark_connect=sys.argv[2])).range(10).count()
+except MillpondError as exc:
+    out["millpond"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def _refused(urls: dict[str, str], millpond_url: str, **env: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", REFUSED, json.dumps(urls), millpond_url], capture_output=True,
+                         text=True, timeout=300, env=_env(**env))
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -66,13 +102,16 @@ print("finished", flush=True)
 def test_connect_server_starts_answers_clients_fails_a_frozen_batch_in_time_and_stops(settings, tmp_path,
                                                                                       pipeline_name) -> None:
     """One server's life: a client before it starts gets one line naming `make up`; started (idempotently), it
-    answers clients; paused (SIGSTOP: it still accepts connections), it fails the running batch in about
-    ``spark.timeout`` with one line naming it, instead of hanging until the task's timeout; stopped, nothing of
-    it is left."""
+    refuses clients without its token or with a wrong one, and answers those with it: the stack's own (the
+    token `make up` generated into the home, owner-only) and a deployment's (the token from the environment);
+    paused (SIGSTOP: it still accepts connections), it fails the running batch in about ``spark.timeout`` with
+    one line naming it, instead of hanging until the task's timeout; stopped, nothing of it is left."""
     from millpond.orchestration.processes import group_members
 
-    local = settings.with_overrides(home=tmp_path, spark_connect_port=free_port(), spark_ui_port=free_port(),
-                                    spark_master="local[2]")
+    port = free_port()
+    # no configured token: the server takes the one `make up` generates (the session's, if any, is not used)
+    local = settings.with_overrides(home=tmp_path, spark_connect_port=port, spark_ui_port=free_port(),
+                                    spark_master="local[2]", spark_connect_token="")
     server = SparkConnectServer(local)
     down = _client(local.spark_connect_url)
     assert "is not answering: start it with `make up`" in down["error"]
@@ -80,13 +119,28 @@ def test_connect_server_starts_answers_clients_fails_a_frozen_batch_in_time_and_
     group = os.getpgid(read_pid(server.pidfile))
     client = None
     try:
+        wrong = "w" * 43  # a token's shape, not the token
+        refused = _refused({"plain": f"sc://127.0.0.1:{port}", "wrong": f"sc://localhost:{port}/;token={wrong}"},
+                           local.spark_connect_url, MILLPOND_SPARK_CONNECT_TOKEN=wrong)
+        assert "UNAUTHENTICATED" in str(refused["plain"]), refused
+        assert "No authentication token provided" in str(refused["plain"]), refused
+        assert "Invalid authentication token" in str(refused["wrong"]), refused
+        assert "refused this client" in str(refused["millpond"]) and wrong not in str(refused["millpond"]), refused
+        token_file = server.token_file
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        token = token_file.read_text().strip()
+        assert len(token) >= 32
         assert server.start() is False  # idempotent
+        assert token_file.read_text().strip() == token  # generated once
         assert "running (pid" in server.status() and local.spark_connect_url in server.status()
-        assert _client(local.spark_connect_url) == {"sum": 4950, "same": True}
+        # the stack's own clients (Airflow tasks: the same MILLPOND_HOME) read the token from the home
+        assert _client("", MILLPOND_HOME=str(tmp_path), MILLPOND_SPARK_CONNECT_PORT=str(port)) == \
+            {"sum": 4950, "same": True}
         events = Path(__file__).parent / "scenarios" / "fig14_sessions_retracting.jsonl"
+        # a deployment's endpoint (spark.connect) with its token from the environment
         client = subprocess.Popen([sys.executable, "-c", FROZEN_CLIENT, local.spark_connect_url, pipeline_name,
                                    str(events)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=dict(os.environ))
+                                  env=_env(MILLPOND_SPARK_CONNECT_TOKEN=token))
         assert client.stdout.readline().strip() == "connected"
         time.sleep(4)  # inside the replay's first Spark batch (its first data-source read alone takes seconds)
         os.killpg(group, signal.SIGSTOP)

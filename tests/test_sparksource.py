@@ -9,6 +9,7 @@ import pyarrow as pa
 import pytest
 from millpond.lake.sparksource import read, register
 from millpond.lake.tables import Tables
+from test_query import committed_batch, crash_before_marker
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 TS = pa.timestamp("us", tz="UTC")
@@ -91,3 +92,26 @@ def test_empty_table_reads_as_no_rows(registered, settings, tables: Tables, pipe
     tables.ensure(pipeline_name, "empty", pa.schema([("key", pa.string()), ("value", pa.int64())]))
     df = read(registered, f"{pipeline_name}.empty", settings)
     assert df.columns == ["key", "value"] and df.count() == 0
+
+
+def test_a_pipeline_is_read_at_its_last_marker(registered, settings, tables: Tables, pipeline_name: str) -> None:
+    """No half batch (issue 37, 8): each table at the version the last committed marker names (a table it names
+    as not created yet: no rows); versionAsOf and timestampAsOf still read the version asked for."""
+    name = pipeline_name
+    committed_batch(settings, name, 2, ["a", "b"])
+    crash_before_marker(tables, name)
+    assert read(registered, f"{name}.panes", settings).count() == 2
+    late = read(registered, f"{name}.late", settings)
+    assert late.count() == 0 and "reason" in late.columns
+    assert read(registered, f"{name}.batches", settings).count() == 1
+    assert read(registered, f"{name}.panes", settings, version=1).count() == 4
+    commits = {h["version"]: h["timestamp"] for h in tables.history(name, "panes")}
+    at_v1 = datetime.fromtimestamp(commits[1] / 1000, UTC).isoformat()
+    assert read(registered, f"{name}.panes", settings, timestamp=at_v1).count() == 4
+    views = register(registered, settings, pipelines=[name])
+    assert {f"{name}_panes", f"{name}_late"} <= set(views)
+    assert registered.sql(f"SELECT count(*) AS n FROM {name}_panes").collect()[0]["n"] == 2
+    assert registered.sql(f"SELECT count(*) AS n FROM {name}_late").collect()[0]["n"] == 0
+    committed_batch(settings, name, 4, ["c"], late=["d"])  # its marker names the versions after its commits
+    assert read(registered, f"{name}.panes", settings).count() == 5
+    assert read(registered, f"{name}.late", settings).count() == 2

@@ -41,3 +41,17 @@ class LeaseLost(MillpondError):
 
 class PipelineChanged(MillpondError):
     """The pipeline's spec changed in a way that reinterprets its stored state: the batch writes nothing."""
+
+
+class LeaseHeld(LeaseLost):
+    """Another run holds the pipeline's lease, so this one did not start. ``expires``: when the lease lapses
+    (epoch seconds) unless its holder renews it; ``holder``: who holds it, as the message names it."""
+
+    def __init__(self, message: str, expires: float = 0.0, holder: str = "") -> None:
+        super().__init__(message)
+        self.expires, self.holder = expires, holder
+
+
+class LeaseLapsed(LeaseLost):
+    """This run's lease has lapsed, or would before a commit started now could end (its renewals fail):
+    another run may take it at any moment, so this one stops before committing."""

@@ -122,6 +122,10 @@ OPTIONS: tuple[Option, ...] = (
            "master of the Spark Connect server (local[*], spark://host:port, k8s://...)"),
     Option("spark_connect", "spark.connect", "MILLPOND_SPARK_CONNECT", _str, "",
            "an existing Spark Connect endpoint (sc://host:port); empty: the stack's own server"),
+    Option("spark_connect_token", "spark.connect_token", "MILLPOND_SPARK_CONNECT_TOKEN", _str, "",
+           "the token Spark Connect clients pass and the stack's server requires (SPARK_CONNECT_AUTHENTICATE_TOKEN "
+           "is honoured too); a secret: set the variable (e.g. from an Airflow connection), never the file; "
+           "empty: `make up` generates one into <home>/spark/connect.token (mode 0600) for its own server"),
     Option("spark_connect_port", "spark.connect_port", "MILLPOND_SPARK_CONNECT_PORT", _int, 15002,
            "port of the stack's Spark Connect server on 127.0.0.1"),
     Option("spark_ui_port", "spark.ui_port", "MILLPOND_SPARK_UI_PORT", _int, 4040,
@@ -200,6 +204,7 @@ class Settings:
     driver_min_range: int
     spark_master: str
     spark_connect: str
+    spark_connect_token: str = field(repr=False)  # a secret: kept out of reprs and logs
     spark_connect_port: int
     spark_ui_port: int
     spark_timeout_s: float
@@ -318,6 +323,8 @@ def load_settings(conf_dir: Path | None = None, env: Mapping[str, str] | None = 
         values["s3_access_key"] = env["AWS_ACCESS_KEY_ID"]
     if "MILLPOND_S3_SECRET_KEY" not in env and "AWS_SECRET_ACCESS_KEY" in env:
         values["s3_secret_key"] = env["AWS_SECRET_ACCESS_KEY"]
+    if "MILLPOND_SPARK_CONNECT_TOKEN" not in env and env.get("SPARK_CONNECT_AUTHENTICATE_TOKEN"):
+        values["spark_connect_token"] = env["SPARK_CONNECT_AUTHENTICATE_TOKEN"]  # Spark's own variable
     if "MILLPOND_S3_ENDPOINT" not in env and "MILLPOND_S3_PORT" in env:
         values["s3_endpoint"] = f"http://127.0.0.1:{values['s3_port']}"
     if not 1 <= values["airflow_parallelism"] <= 8:

@@ -1,8 +1,11 @@
-"""What the lake holds: its pipelines and tables, a table's snapshot as of a version or a time, and SQL
-over snapshots (DataFusion through delta-rs). The query surface asks here; it never opens Delta itself."""
+"""What the lake holds: its pipelines and tables, a table's snapshot as of a version or a time (by default,
+as of the pipeline's last committed batch), and SQL over snapshots (DataFusion through delta-rs). The query
+surface and the Spark data source ask here; they never open Delta themselves."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Collection
 from datetime import datetime
 
 import pyarrow as pa
@@ -11,6 +14,7 @@ from deltalake import DeltaTable, QueryBuilder
 from millpond.config import Settings
 from millpond.errors import MillpondError
 from millpond.lake.objectstore import ObjectStore, translate
+from millpond.lake.schemas import BATCHES_SCHEMA
 from millpond.lake.tables import Tables
 from millpond.model.timeutil import to_us
 
@@ -75,12 +79,40 @@ def open_snapshot(tables: Tables, pipeline: str, name: str, version: int | None 
     return dt
 
 
-def execute_sql(snapshots: dict[str, DeltaTable], sql: str) -> pa.Table:
-    """Run ``sql`` with each snapshot registered under its name; errors become one line."""
+def committed_versions(tables: Tables, pipeline: str) -> dict[str, int | None]:
+    """The table versions the pipeline's last committed batch names (its ``batches`` row, the commit marker,
+    written after every other commit of the batch): read at these, a reader never sees half a batch. A table
+    named with None did not exist yet. Empty for a pipeline without a marker."""
+    done = tables.read_arrow(pipeline, "batches", schema=BATCHES_SCHEMA, columns=["batch", "versions"])
+    if not done.num_rows:
+        return {}
+    last = max(done.to_pylist(), key=lambda r: r["batch"])
+    return json.loads(last["versions"] or "{}")
+
+
+def open_committed(tables: Tables, pipeline: str, name: str, committed: dict[str, int | None],
+                   label: str = "") -> tuple[DeltaTable, bool]:
+    """A reader's default snapshot of ``pipeline.name``: at the version ``committed`` (``committed_versions``)
+    names, latest for a table it does not name (``batches`` itself, ``operations``, a table of a pipeline
+    without a marker). Also whether it reads as empty: the marker names the table as not created yet, so all
+    it holds is from a batch not committed (the snapshot is the latest, for its columns)."""
+    version = committed.get(name)
+    dt = open_snapshot(tables, pipeline, name, version, label=label)
+    return dt, name in committed and version is None
+
+
+def execute_sql(snapshots: dict[str, DeltaTable], sql: str, empty: Collection[str] = ()) -> pa.Table:
+    """Run ``sql`` with each snapshot registered under its (quoted) name; the names in ``empty`` read as no
+    rows with the snapshot's columns. Errors become one line."""
     builder = QueryBuilder()
-    for name, dt in snapshots.items():
-        builder = builder.register(name, dt)
     try:
+        for name, dt in snapshots.items():
+            if name in empty:
+                hidden = '"' + name.strip('"') + ' (uncommitted)"'
+                builder = builder.register(hidden, dt)
+                builder.execute(f"CREATE VIEW {name} AS SELECT * FROM {hidden} WHERE false").read_all()
+            else:
+                builder = builder.register(name, dt)
         return pa.table(builder.execute(sql).read_all())
     except Exception as exc:  # noqa: BLE001 - DataFusion/delta-rs errors become one line
         msg = " ".join(str(exc).split())

@@ -7,6 +7,9 @@ reads each file in a Python worker with pyarrow, yielding Arrow record batches:
     register(spark, settings)
     df = spark.read.format("millpond").option("table", "video_sessions.panes").option("versionAsOf", 3).load()
 
+Without ``versionAsOf``/``timestampAsOf`` a table is read at the version its pipeline's last committed batch
+names (the ``batches`` marker: never half a batch), or at its latest for a table the marker does not name.
+
 Credentials travel as options (``accessKey``/``secretKey``: names Spark redacts from plans) taken
 from :class:`~millpond.config.Settings`; without them the source loads the settings itself.
 """
@@ -60,18 +63,20 @@ def _options_settings(options: dict[str, str]) -> Settings:
 
 class MillpondDataSource(DataSource):
     """``spark.read.format("millpond").option("table", "pipeline.name")``; options ``versionAsOf``,
-    ``timestampAsOf``; S3 options ``endpoint``, ``region``, ``accessKey``, ``secretKey``, ``bucket``,
-    ``tableRoot`` (default: the process's Millpond settings)."""
+    ``timestampAsOf`` (without either: as of the pipeline's last committed batch); S3 options ``endpoint``,
+    ``region``, ``accessKey``, ``secretKey``, ``bucket``, ``tableRoot`` (default: the process's Millpond
+    settings)."""
 
     @classmethod
     def name(cls) -> str:
         return FORMAT
 
-    def _lookup(self) -> tuple[Settings, Any]:
-        """The delta-rs snapshot the options name.
+    def _lookup(self) -> tuple[Settings, Any, bool]:
+        """The delta-rs snapshot the options name, and whether it reads as empty (a table the last marker
+        names as not created yet: only a batch not committed has written it).
 
         Only the resolved version is kept on ``self`` (the source is pickled between planning steps
-        and a DeltaTable is not), so ``timestampAsOf`` resolves once and schema and files agree.
+        and a DeltaTable is not), so ``timestampAsOf`` and the marker resolve once and schema and files agree.
         """
         from millpond.errors import MillpondError
         from millpond.lake.tables import Tables
@@ -83,40 +88,47 @@ class MillpondDataSource(DataSource):
             raise MillpondError('the millpond source needs .option("table", "pipeline.name")')
         pipeline, _, name = table.partition(".")
         settings = _options_settings(opts)
+        tables = Tables(settings)
         version = getattr(self, "_version", None)
+        empty = getattr(self, "_empty", False)
+        stamp = opts.get("timestampasof")
         if version is None and opts.get("versionasof") not in (None, ""):
             version = int(opts["versionasof"])
-        dt = Tables(settings).open(pipeline, name, version)
+        elif version is None and not stamp:  # no time travel asked for: as of the last committed batch
+            from millpond.lake.catalog import committed_versions
+
+            committed = committed_versions(tables, pipeline)
+            version, empty = committed.get(name), name in committed and committed[name] is None
+        dt = tables.open(pipeline, name, version)
         if dt is None:
             raise MillpondError(f"unknown table {table}")
-        stamp = opts.get("timestampasof")
         if stamp and version is None:
             from millpond.lake.catalog import version_at
 
             at = version_at(dt, to_datetime(to_us(stamp)))
             if at is None:
                 raise MillpondError(f"{table}: the table did not exist yet at {stamp}")
-            dt = Tables(settings).open(pipeline, name, at)
-        self._version = dt.version()
-        return settings, dt
+            dt = tables.open(pipeline, name, at)
+        self._version, self._empty = dt.version(), empty
+        return settings, dt, empty
 
     def schema(self) -> StructType:
         from pyspark.sql.pandas.types import from_arrow_schema
 
-        _settings, dt = self._lookup()
+        _settings, dt, _empty = self._lookup()
         return from_arrow_schema(table_schema(dt), prefer_timestamp_ntz=False)
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        settings, dt = self._lookup()
-        return MillpondReader(settings, dt)
+        settings, dt, empty = self._lookup()
+        return MillpondReader(settings, dt, empty)
 
 
 class MillpondReader(DataSourceReader):
     """Plans on the driver (file list of the snapshot); reads one file per Spark partition."""
 
-    def __init__(self, settings: Settings, dt) -> None:
+    def __init__(self, settings: Settings, dt, empty: bool = False) -> None:
         self.schema = table_schema(dt)
-        self.files = data_files(dt)
+        self.files = [] if empty else data_files(dt)
         self.storage = Storage.of(settings)
 
     def partitions(self) -> list[InputPartition]:
@@ -135,22 +147,24 @@ def register(spark, settings: Settings | None = None, pipelines: list[str] | Non
     """Register the source with ``spark``; with ``pipelines``, also one temp view per table.
 
     Views are named ``<pipeline>_<table>`` (Spark temp views are single-part names); returns
-    {view name: "pipeline.table"}.
+    {view name: "pipeline.table"}. A pipeline's views read the versions of one marker, its last committed.
     """
     spark.dataSource.register(MillpondDataSource)
     views: dict[str, str] = {}
     if not pipelines:
         return views
-    from millpond.lake.catalog import lake_tables
+    from millpond.lake.catalog import committed_versions, lake_tables
+    from millpond.lake.tables import Tables
 
     if settings is None:
         from millpond.config import load_settings
 
         settings = load_settings()
     for pipeline in pipelines:
+        committed = committed_versions(Tables(settings), pipeline)
         for table in lake_tables(settings, pipeline):
             view = f"{pipeline}_{table}"
-            read(spark, f"{pipeline}.{table}", settings).createOrReplaceTempView(view)
+            read(spark, f"{pipeline}.{table}", settings, version=committed.get(table)).createOrReplaceTempView(view)
             views[view] = f"{pipeline}.{table}"
     return views
 

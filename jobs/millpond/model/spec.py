@@ -11,10 +11,10 @@ from millpond.model.aggregations import combiner, output_value_type
 from millpond.model.listing import LISTING_KEYS, Listing
 from millpond.model.stages import Upstream, check_stage, parse_upstream
 from millpond.model.step import Strategy
-from millpond.model.timeutil import parse_duration
+from millpond.model.timeutil import MAX_TS, parse_duration
 from millpond.model.triggers import parse_trigger
 from millpond.model.watermark import WatermarkPolicy
-from millpond.model.windows import window_fn
+from millpond.model.windows import FixedWindows, GlobalWindows, Sessions, SlidingWindows, window_fn
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,57 @@ def check_keys(doc: dict[str, Any]) -> None:
             raise ValueError(f"{key}: expected a mapping, got {doc[key]!r}")
 
 
+def dedup_horizon_floor(window: dict[str, Any], allowed_lateness: int) -> int | None:
+    """The shortest ``dedup.horizon`` under which no record is counted twice, in microseconds; None when it
+    cannot be known (a custom window function without a ``span``); MAX_TS for the global window (never closed).
+
+    A record is accepted while its window ends later than the input watermark less allowed lateness (its own
+    window, before any merge: for sessions [t, t + gap)), so while its event time is later than ``watermark -
+    allowed_lateness - span``; its id is forgotten once its event time is behind ``watermark - horizon``
+    (``runtime.steps.dedup``; the watermark never moves back). Ids must outlive acceptance: the horizon must be
+    at least allowed lateness plus the span (less one microsecond, exactly), which is also the default."""
+    fn = window_fn(window)
+    if isinstance(fn, GlobalWindows):
+        return MAX_TS
+    span = fn.span()
+    return None if span is None else allowed_lateness + span
+
+
+def _duration_text(us: int) -> str:
+    """Microseconds as a duration a pipeline file takes (``11m``, ``150m``, ``89500ms``)."""
+    if not us:
+        return "0s"
+    for unit, factor in (("d", 86_400_000_000), ("h", 3_600_000_000), ("m", 60_000_000), ("s", 1_000_000),
+                         ("ms", 1_000)):
+        if us % factor == 0:
+            return f"{us // factor}{unit}"
+    return f"{us}us"
+
+
+def check_dedup_horizon(doc: dict[str, Any], window: dict[str, Any], allowed_lateness: int) -> None:
+    """A ``dedup.horizon`` shorter than ``dedup_horizon_floor`` would forget ids whose records are still
+    accepted, and count a re-delivery twice: refused, in one line naming the minimum."""
+    horizon = (doc.get("dedup") or {}).get("horizon")
+    if horizon is None or doc.get("computation") is not None:  # a computation has no window to bound it
+        return
+    floor = dedup_horizon_floor(window, allowed_lateness)
+    given = parse_duration(horizon)
+    if floor is None or given >= floor:
+        return
+    if floor == MAX_TS:
+        raise ValueError(f"dedup.horizon {_duration_text(given)}: the global window never closes, so a record "
+                         "delivered again is accepted at any age and its id must be kept for good: "
+                         "remove dedup.horizon")
+    fn = window_fn(window)
+    span = ("the session gap" if isinstance(fn, Sessions) else
+            "the window size" if isinstance(fn, (FixedWindows, SlidingWindows)) else "the window's span")
+    raise ValueError(
+        f"dedup.horizon {_duration_text(given)} is shorter than allowed_lateness {_duration_text(allowed_lateness)} "
+        f"plus {span} {_duration_text(floor - allowed_lateness)}: a record delivered again while still within "
+        f"allowed lateness would be counted twice; set dedup.horizon to at least {_duration_text(floor)}, "
+        "or leave it out (the default is that minimum)")
+
+
 def pipeline_from_dict(doc: dict[str, Any]) -> PipelineSpec:
     """Validate a config mapping: every mistake is reported by name, before anything runs."""
     check_keys(doc)
@@ -141,4 +192,5 @@ def pipeline_from_dict(doc: dict[str, Any]) -> PipelineSpec:
         load_computation(doc["computation"])  # importable, a Computation, options accepted
     spec.strategy()  # parse window, trigger, accumulation and aggregation now
     _ = spec.watermark_policy  # and the watermark policy
+    check_dedup_horizon(doc, spec.window, spec.allowed_lateness)
     return spec

@@ -64,7 +64,8 @@ class KeyResult:
     upserts: list[WindowState] = field(default_factory=list)
     #: windows to delete from state (garbage-collected or merged away)
     deletes: list[Window] = field(default_factory=list)
-    #: windows merged away while holding an emitted value: removed from the current view
+    #: windows merged away holding an emitted value that no retraction will take back (modes without
+    #: retractions): removed from the current view at once
     merged_away: list[Window] = field(default_factory=list)
     #: (element, reason) dropped as late, for a closed window, or because its window's sum would overflow
     late: list[tuple[Element, str]] = field(default_factory=list)
@@ -212,8 +213,9 @@ def _add_elements(elements: list[Element], live: dict[Window, WindowState], touc
                     new.pane_index, new.last = s.pane_index, s.last
                     continue
                 if s.last is not None:
+                    # Its retraction is owed (emitted when the merged session fires): until then its value is
+                    # what consumers were told, so the current view keeps it (``runtime.assembly``).
                     new.pending.append([s.window.start, s.window.end, s.last[0], s.pane_index - 1])
-                    result.merged_away.append(s.window)
                 elif s.pane_index > 0:
                     result.merged_away.append(s.window)
                 del live[s.window]

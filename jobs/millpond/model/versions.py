@@ -3,8 +3,9 @@
 A batch records the fingerprint of its pipeline's semantic spec and the state format it wrote. The next
 batch compares: a change that reinterprets stored state (window, trigger, accumulation, aggregation, value
 type, computation) stops the pipeline until it is reprocessed under the new spec; a change that is safe by
-construction (a longer allowed lateness, a description, batch interval, watermark policy, demo, dedup
-horizon, how the landing prefix is listed) is recorded and the pipeline goes on.
+construction (a longer allowed lateness, a description, batch interval, watermark policy, demo, a dedup
+horizon not shorter than allowed lateness plus the window's span, how the landing prefix is listed) is
+recorded and the pipeline goes on.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 from typing import Any
 
 from millpond.model.listing import LISTING_KEYS
+from millpond.model.spec import dedup_horizon_floor
 from millpond.model.timeutil import parse_duration
 
 #: the layout of the ``windows`` state and the ``batches`` marker this release writes; an older one is
@@ -59,10 +61,29 @@ def fingerprint(spec: dict[str, Any]) -> str:
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(breaking changes, safe changes) from ``old`` to ``new``, as field names. A shorter allowed lateness
-    drops state a longer one kept: it counts as breaking."""
+    drops state a longer one kept: it counts as breaking. So does a dedup horizon that the change leaves
+    shorter than allowed lateness plus the window's span (``spec.dedup_horizon_floor``): ids would be forgotten
+    while their records are still accepted, and a re-delivery counted twice (a pipeline file with one does not
+    load; this keeps a spec built some other way from passing as safe)."""
     breaking = [k for k in BREAKING if old.get(k) != new.get(k)]
     safe = [k for k in SAFE if old.get(k) != new.get(k)]
     if "allowed_lateness" in safe and (new.get("allowed_lateness") or 0) < (old.get("allowed_lateness") or 0):
         safe.remove("allowed_lateness")
         breaking.append("allowed_lateness (shorter)")
+    if {"dedup", "allowed_lateness"} & set(safe) and _horizon_too_short(new):
+        if "dedup" in safe:
+            safe.remove("dedup")
+        breaking.append("dedup.horizon (below allowed_lateness + the window's span)")
     return breaking, safe
+
+
+def _horizon_too_short(spec: dict[str, Any]) -> bool:
+    """Whether a semantic spec's explicit dedup horizon is below its floor (unknown: not too short)."""
+    try:
+        horizon = (spec.get("dedup") or {}).get("horizon")
+        if horizon is None or spec.get("computation") is not None or not spec.get("window"):
+            return False
+        floor = dedup_horizon_floor(spec["window"], spec.get("allowed_lateness") or 0)
+        return floor is not None and parse_duration(horizon) < floor
+    except (ValueError, TypeError, ImportError, AttributeError):  # a spec recorded by an older file, unreadable now
+        return False

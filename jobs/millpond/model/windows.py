@@ -24,9 +24,6 @@ class Window(NamedTuple):
     start: int
     end: int
 
-    def contains(self, ts: int) -> bool:
-        return self.start <= ts < self.end
-
     def intersects(self, other: Window) -> bool:
         return self.start < other.end and other.start < self.end
 

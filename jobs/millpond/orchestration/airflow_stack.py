@@ -184,17 +184,6 @@ def airflow_env(
     return env
 
 
-def run_airflow_cli(settings: Settings, args: list[str], timeout: float = 300.0) -> subprocess.CompletedProcess:
-    """One ``airflow ...`` CLI call against this deployment's metadata DB; raise a one-line error on failure."""
-    env = airflow_env(settings)
-    proc = subprocess.run(airflow_binary() + args, env=env, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise MillpondError(f"`airflow {' '.join(args[:2])}` failed (code {proc.returncode}): {tail[0][:300]}")
-    return proc
-
-
 class AirflowStack:
     """Start, stop and inspect the four Airflow processes of one Millpond home."""
 

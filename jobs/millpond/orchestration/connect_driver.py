@@ -7,11 +7,14 @@ pyarrow and millpond again: about a second per batch on a calm box, many at load
 share one artifact space (all clients are this deployment's own tasks; none uploads artifacts), so they share
 the workers, and the daemon they fork from (``runtime.spark_daemon``) has those modules imported already.
 
-Run by ``spark-submit`` (``orchestration.spark_server``): ``spark-submit [--conf …] connect_driver.py``.
+Run by ``spark-submit`` (``orchestration.spark_server``): ``spark-submit [--conf …] connect_driver.py``, with
+the stack's token in ``SPARK_CONNECT_AUTHENTICATE_TOKEN``: the service then refuses every call without it
+(UNAUTHENTICATED). Without a token it does not start: a client can run any Python on the executors.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -23,6 +26,13 @@ def main() -> int:
     # the session's settings come from spark-submit's --conf; this one must hold before the session exists
     spark = (SparkSession.builder.appName("millpond-connect")
              .config("spark.sql.artifact.isolation.enabled", "false").getOrCreate())
+    # Spark reads the token from its conf, else from the environment (``Connect.getAuthenticateToken``)
+    if not (spark.sparkContext.getConf().get("spark.connect.authenticate.token")
+            or os.environ.get("SPARK_CONNECT_AUTHENTICATE_TOKEN")):
+        print("millpond: no Spark Connect token (SPARK_CONNECT_AUTHENTICATE_TOKEN): not serving clients "
+              "without one; start the server with `make up`", file=sys.stderr, flush=True)
+        spark.stop()
+        return 2
     jvm = spark.sparkContext._jvm
     service = jvm.org.apache.spark.sql.connect.service.SparkConnectService
     service.start(spark.sparkContext._jsc.sc())  # new Connect sessions are this default session's children

@@ -5,6 +5,12 @@ are clients (``sc://127.0.0.1:<port>``): no JVM starts in a task process. The se
 ``spark.master`` (``local[*]`` by default, or a ``spark://``/``k8s://`` cluster); a deployment that runs
 its own Connect endpoint names it in ``spark.connect`` and the stack starts nothing.
 
+Only the deployment runs code on it: a Connect client can run any Python on the executors, so the server
+requires a shared token (Spark's ``PreSharedKeyAuthenticationInterceptor``, read from
+``SPARK_CONNECT_AUTHENTICATE_TOKEN``): ``spark.connect_token`` if the deployment sets one, else one generated
+once into ``<home>/spark/connect.token`` (mode 0600), where the stack's clients read it
+(``runtime.spark_client``). Its gRPC port has no TLS of its own (docs/deploy.md).
+
 The standalone cluster helpers (a master and workers from pyspark's launcher) serve scale-out tests and
 laptops that want to see a cluster; each process is its own group with a PID file, like every service.
 """
@@ -12,6 +18,7 @@ laptops that want to see a cluster; each process is its own group with a PID fil
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -22,6 +29,7 @@ from millpond.config import Settings
 from millpond.errors import MillpondError, PrerequisiteMissing
 from millpond.orchestration.processes import free_port, port_free, read_pid, run_dir, stop_group
 from millpond.prerequisites import require_java
+from millpond.runtime.spark_client import token_file
 
 #: the server's driver program (not Spark's ``SparkConnectServer`` class: see ``connect_driver``)
 DRIVER = Path(__file__).resolve().parent / "connect_driver.py"
@@ -51,6 +59,33 @@ def spark_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def stack_token(settings: Settings) -> str:
+    """The token the stack's Connect server requires: ``spark.connect_token`` when set, else the one in
+    ``<home>/spark/connect.token``, generated on the first start (random, owner-only) and kept after."""
+    if settings.spark_connect_token:
+        return settings.spark_connect_token
+    path = token_file(settings)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        draft = path.with_name(f".{path.name}.{os.getpid()}")
+        draft.unlink(missing_ok=True)
+        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(32) + "\n")
+        try:
+            os.link(draft, path)  # whole or not at all; a concurrent first start keeps the first one
+        except FileExistsError:
+            pass
+        finally:
+            draft.unlink()
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o600)
+    token = path.read_text().strip()
+    if not token:
+        raise MillpondError(f"{path} is empty: delete it and start the server again (its clients read the new one)")
+    return token
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
@@ -73,6 +108,18 @@ class SparkConnectServer:
     @property
     def ui_url(self) -> str:
         return f"http://127.0.0.1:{self.settings.spark_ui_port}"
+
+    @property
+    def token_file(self) -> Path:
+        """The generated token's file (unused when ``spark.connect_token`` is set)."""
+        return token_file(self.settings)
+
+    @property
+    def token_source(self) -> str:
+        """Where its clients find the token, for messages (never the token itself)."""
+        if self.settings.spark_connect_token:
+            return "spark.connect_token (MILLPOND_SPARK_CONNECT_TOKEN)"
+        return str(self.token_file)
 
     def running(self) -> bool:
         return read_pid(self.pidfile) is not None
@@ -123,9 +170,11 @@ class SparkConnectServer:
                 raise PrerequisiteMissing(f"port {port} ({name}) is in use by another program: stop it or set {var}")
         for sub in ("spark/ivy", "spark/local", "spark/warehouse", "log"):
             (self.settings.home / sub).mkdir(parents=True, exist_ok=True)
+        # the token through the environment (owner-only in /proc), not a --conf: every local user sees argv
+        env = spark_env(self.settings) | {"SPARK_CONNECT_AUTHENTICATE_TOKEN": stack_token(self.settings)}
         with open(self.logfile, "ab") as log:
             proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=spark_env(self.settings), start_new_session=True, cwd=self.settings.home)
+                                    env=env, start_new_session=True, cwd=self.settings.home)
         self.pidfile.write_text(str(proc.pid))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

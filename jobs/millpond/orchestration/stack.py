@@ -19,7 +19,7 @@ def up(settings: Settings) -> None:
         spark = SparkConnectServer(settings)
         started = spark.start()
         print(f"spark {'started' if started else 'already running'}: {spark.url} (master {spark.master}; "
-              f"Spark UI {spark.ui_url})")
+              f"Spark UI {spark.ui_url}; clients pass the token in {spark.token_source})")
     if airflow_config(settings).enabled:
         stack = AirflowStack(settings)
         started = stack.start()

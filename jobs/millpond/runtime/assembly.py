@@ -66,8 +66,9 @@ def key_rows(
 
 def _current_rows(panes: list[tuple], gone: list[tuple[str, int, int]], discarding: bool) -> list[tuple]:
     """The current view's rows for whole keys: latest value per (key, window) (every value pane when
-    discarding); merged-away sessions deleted. Panes are (key, start, end, value, index, timing, ...) in
-    emission order."""
+    discarding); merged-away sessions deleted: when merged without retractions, or when their retraction is
+    emitted (a session retracted with no new value of its own), so that the view is always what the panes
+    told a consumer. Panes are (key, start, end, value, index, timing, ...) in emission order."""
     values = [p for p in panes if p[7] == "value"]
     if discarding:
         rows = [(p[0], p[1], p[2], p[3], p[4], p[5], False) for p in values]
@@ -76,7 +77,9 @@ def _current_rows(panes: list[tuple], gone: list[tuple[str, int, int]], discardi
         for p in values:
             latest[(p[0], p[1], p[2])] = p
         rows = [(p[0], p[1], p[2], p[3], p[4], p[5], False) for p in latest.values()]
-        rows += [(k, s, e, None, -1, "", True) for k, s, e in gone if (k, s, e) not in latest]
+        retracted = {(p[0], p[1], p[2]) for p in panes if p[7] == "retraction"}
+        dropped = set(gone) | retracted
+        rows += [(k, s, e, None, -1, "", True) for k, s, e in sorted(dropped) if (k, s, e) not in latest]
     rows.sort(key=lambda r: (r[0], r[1], r[2], r[4]))
     return rows
 

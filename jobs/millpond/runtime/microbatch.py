@@ -10,7 +10,6 @@ twice, with the ``batches`` row last as the commit marker.
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -20,6 +19,7 @@ import pyarrow as pa
 
 from millpond.config import Settings
 from millpond.errors import MillpondError
+from millpond.lake import catalog
 from millpond.lake.landing import list_landing
 from millpond.lake.lease import Lease
 from millpond.lake.objectstore import ObjectStore, StoredObject
@@ -38,11 +38,7 @@ from millpond.runtime.steps import commit, compute, dedup, plan, read, upstream,
 
 def committed_versions(tables: Tables, pipeline: str) -> dict[str, int]:
     """Table versions as of the last committed batch: read at these, a reader never sees half a batch."""
-    done = tables.read_arrow(pipeline, "batches", schema=BATCHES_SCHEMA, columns=["batch", "versions"])
-    if not done.num_rows:
-        return {}
-    last = max(done.to_pylist(), key=lambda r: r["batch"])
-    return json.loads(last["versions"] or "{}")
+    return catalog.committed_versions(tables, pipeline)
 
 
 @dataclass
@@ -162,7 +158,8 @@ class MicroBatch:
         w_in = to_us(prev["watermark"]) if prev else MIN_TS
         explicit = to_us(explicit_watermark) if explicit_watermark is not None else None
         the_plan = plan.plan_batch(self, batch, txn, found, prev, P, explicit)
-        P, explicit_watermark, note = plan.pinned_clock(the_plan, P, explicit)
+        P, explicit, note = plan.pinned_clock(the_plan, P, explicit)
+        explicit_watermark = None if explicit is None else to_datetime(explicit)
         plan.start_upkeep(self, batch)
         t.lap("plan", files=len(the_plan["files"]), held=len(the_plan["held"]) or None,
               skipped=len(the_plan["skipped"]) or None)

@@ -1,8 +1,11 @@
 """SQL over the lake: DataFusion (through delta-rs ``QueryBuilder``) on the project's Delta tables.
 
-Tables are addressed as ``<pipeline>.<name>``; ``<pipeline>.<name>@v3`` or ``@'2026-01-01T12:00Z'``
-reads an older snapshot (Delta time travel), ``--as-of`` does so for every table without its own
-``@``. No Spark and no JVM: an answer in well under a second, so it suits a terminal and a DAG.
+Tables are addressed as ``<pipeline>.<name>``, each read at the version its pipeline's last committed
+batch names (the ``batches`` marker), so a query never sees half a batch; a table the marker does not name
+(``batches``, ``operations``, a pipeline without a marker) is read at its latest version.
+``<pipeline>.<name>@v3`` or ``@'2026-01-01T12:00Z'`` reads the snapshot named (Delta time travel),
+``--as-of`` does so for every table without its own ``@``. No Spark and no JVM: an answer in well under a
+second, so it suits a terminal and a DAG.
 """
 
 from __future__ import annotations
@@ -26,7 +29,14 @@ import yaml
 
 from millpond.config import Settings, load_settings
 from millpond.errors import MillpondError
-from millpond.lake.catalog import execute_sql, lake_pipelines, lake_tables, open_snapshot
+from millpond.lake.catalog import (
+    committed_versions,
+    execute_sql,
+    lake_pipelines,
+    lake_tables,
+    open_committed,
+    open_snapshot,
+)
 from millpond.lake.tables import Tables
 from millpond.model.timeutil import to_datetime, to_us
 from millpond.surface.cli import command
@@ -154,11 +164,22 @@ def _plain(table: pa.Table) -> pa.Table:
 
 
 def run_query(settings: Settings, sql: str, as_of: str | int | None = None) -> pa.Table:
-    """Execute ``sql`` over the lake and return the result as an Arrow table."""
+    """Execute ``sql`` over the lake and return the result as an Arrow table. A table without a snapshot of
+    its own (``@``, ``as_of``) is read as of its pipeline's last committed batch (``open_committed``)."""
     tables = Tables(settings)
     text, refs = rewrite(sql, known_pipelines(settings, sql), as_of)
-    result = execute_sql({ref.sql_name: open_ref(tables, ref) for ref in refs}, text)
-    return _plain(result)
+    committed = {p: committed_versions(tables, p)
+                 for p in sorted({r.pipeline for r in refs if r.version is None and r.timestamp is None})}
+    snapshots, empty = {}, set()
+    for ref in refs:
+        if ref.version is None and ref.timestamp is None:
+            snapshots[ref.sql_name], uncommitted = open_committed(tables, ref.pipeline, ref.name,
+                                                                  committed[ref.pipeline], ref.label)
+            if uncommitted:
+                empty.add(ref.sql_name)
+        else:
+            snapshots[ref.sql_name] = open_ref(tables, ref)
+    return _plain(execute_sql(snapshots, text, empty))
 
 
 def history(settings: Settings, table: str, limit: int | None = None) -> pa.Table:

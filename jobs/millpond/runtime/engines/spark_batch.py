@@ -180,13 +180,16 @@ def compute(job: BatchContext, clock: BatchClock, accepted, state, partitions: i
 
 
 def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes, versions: dict[str, Any],
-                  stored, seen, partitions: int, keep_from: int | None, quarantined: int) -> dict[str, int]:
+                  stored, seen, partitions: int, keep_from: int | None, quarantined: int,
+                  accepted_rows: int) -> dict[str, int]:
     """Every output table's files from the executors in one Spark job, each table one commit; counts for the
     marker. ``values``: the batch's (``spark_values``: ``_batch``, ``_keep_from``); ``stored``: the ``windows``
     table at ``versions["windows"]`` (None without one); ``seen``: the ``seen_ids`` table at
     ``versions["seen_ids"]`` (None without one); ``keep_from``: as ``steps.dedup.seen_keep_from``;
     ``quarantined``: ``bad``'s rows (none: no quarantine write, whose tasks would only scan the landing rows for
-    nothing)."""
+    nothing); ``accepted_rows``: ``accepted``'s (none: no ``seen_ids`` write, not even its fold, as on the local
+    engine, ``steps.commit.commit_inputs``: a quiet batch that expired ids here left them on the other engines,
+    and an old id re-delivered after it was a late row here and a duplicate there)."""
     from pyspark.sql import functions as F
 
     batch = _batch_column()
@@ -216,9 +219,9 @@ def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes
         if tally.get(f"{table}:", 0) or (table == "quarantine" and quarantined) or tally.get(f"{table}:value") \
                 or tally.get(f"{table}:retraction"):
             writes.append(_append(job, txn, table, df, schema))
-    if keep_from is None:
+    if accepted_rows and keep_from is None:
         writes.append(_append(job, txn, "seen_ids", own, SEEN_SCHEMA))
-    else:
+    elif accepted_rows:
         writes.append(_rewrite_seen(job, txn, seen, own, values, versions["seen_ids"], partitions))
     if state_changes:
         writes.append(_rewrite_windows(job, txn, values, out, versions.get("windows"), stored, partitions))
@@ -418,7 +421,7 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], rows: i
         timer.lap("validation")
     job.commits.defer()
     outputs = write_outputs(job, txn, values, bad, accepted, out, panes, the_plan["versions"], stored, seen,
-                            partitions, keep_from, counts["quarantined"])
+                            partitions, keep_from, counts["quarantined"], counts["accepted"])
     counts = {"files": len(the_plan["files"]), **counts, "late": 0, "panes": 0, "retractions": 0, **outputs}
     # a warm server keeps cached frames until told
     for frame in (parsed, stored, state, out, accepted, panes if job.validate else None):

@@ -31,7 +31,9 @@ SEEN_FOLD_OVER_FILES = 4
 def seen_keep_from(job: BatchContext, w_in: int, seen_version: int | None) -> int | None:
     """Whether this batch replaces seen_ids' files (it has more than SEEN_FOLD_OVER_FILES at the
     pinned version), and if so from which event time on earlier ids are kept: those within the dedup
-    horizon of the input watermark (a re-delivery older than that is beyond allowed lateness anyway)."""
+    horizon of the input watermark (a re-delivery older than that is beyond allowed lateness anyway). Only a
+    batch that accepts an id writes seen_ids (``steps.commit.commit_inputs``), so only it replaces the files, on
+    every engine: a batch that accepts nothing expires nothing (issue 36)."""
     horizon = dedup_horizon(job)
     if seen_version is None or horizon is None or w_in - horizon <= 0:
         return None
@@ -105,7 +107,8 @@ def seen_before(job: BatchContext, version: int | None, ids: list[str], event_ti
 
 def dedup_horizon(job: BatchContext) -> int | None:
     """How far behind the watermark a record id must be remembered: past it, a re-delivery is late
-    anyway (its window is beyond allowed lateness) and is dropped and counted as late."""
+    anyway (its window is beyond allowed lateness) and is dropped and counted as late. A pipeline file's
+    explicit horizon is never shorter than this default (``model.spec.check_dedup_horizon``)."""
     cfg = job.spec.raw.get("dedup") or {}
     if "horizon" in cfg:
         return parse_duration(cfg["horizon"])
