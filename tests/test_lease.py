@@ -356,3 +356,52 @@ def test_the_conflict_alone_does_not_fence_a_zombie_that_read_after_the_bump(set
     assert zombie.transaction_version(fence) == 8 > 7  # what a snapshot check would refuse on
     write_deltalake(zombie, pa.table({"writer": [9]}, schema=ROW), mode="append", commit_properties=_props((fence, 7)))
     assert zombie.transaction_version(fence) == 7  # landed after the RESTORE, fence moved back
+
+
+def test_every_commit_of_a_batch_is_fenced_by_its_lease_token(settings, tables, pipeline_name) -> None:
+    """Issue 37 (5): a zombie batch (an older lease token) still writing after a reprocess's rewind is refused
+    by the Delta log, not by a read of the lease before the write: on a table the rewind restored, on one it
+    left unchanged (only its fence is committed there), and when the rewind lands between the zombie's
+    snapshot and its commit (delta-rs's conflict check). The batches after the rewind are not refused."""
+    from deltalake import DeltaTable, write_deltalake
+    from millpond.errors import MillpondError
+    from millpond.lake.delta_options import Txn, _commit, fence_app, storage_options
+    from millpond.lake.landing import arrival_tag
+    from millpond.lake.objectstore import ObjectStore
+    from millpond.model.spec import pipeline_from_dict
+    from millpond.model.timeutil import US, to_datetime, to_us
+    from millpond.runtime import rewind
+    from millpond.runtime.job import run_batch
+
+    t0, minute = to_us("2026-05-01T00:00:00Z"), 60 * US
+    spec = pipeline_from_dict({
+        "name": pipeline_name, "source": {"prefix": f"{pipeline_name}/"}, "value_type": "int", "aggregation": "sum",
+        "window": {"type": "fixed", "size": "1m"}, "accumulation": "accumulating", "trigger": "AtWatermark()",
+        "allowed_lateness": "10m", "batch_interval": "1m", "watermark": {"policy": "processing_time", "lag": "0s"}})
+    store = ObjectStore(settings)
+    for m in range(3):
+        body = json.dumps({"id": f"e{m}", "key": "k", "value": m + 1,
+                           "event_time": to_datetime(t0 + m * minute + 5 * US).isoformat()}) + "\n"
+        if m == 0:
+            body += '{"id": "bad"\n'  # quarantine: written by batch 1 only, unchanged by the rewind to batch 2
+        store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{arrival_tag(t0 + m * minute + 9 * US)}-f.jsonl",
+                        body.encode())
+    for m in range(1, 4):
+        run_batch(settings, spec, to_datetime(t0 + m * minute))
+    zombie_txn = Txn(app_id=f"millpond/{pipeline_name}", version=4, fence=(fence_app(pipeline_name), 1))
+    uri = tables.uri(pipeline_name, "quarantine")
+    before_rewind = DeltaTable(uri, storage_options=storage_options(settings))  # a zombie's snapshot
+    quarantine_rows = tables.read_arrow(pipeline_name, "quarantine").num_rows
+    rewind.run(settings, tables, spec, t0 + 2 * minute, by="test")
+    for name in ("panes", "quarantine"):
+        version = tables.version(pipeline_name, name)
+        with pytest.raises(LeaseLost, match="fenced off"):
+            tables.append(pipeline_name, name, tables.read_arrow(pipeline_name, name).slice(0, 1), txn=zombie_txn)
+        assert tables.version(pipeline_name, name) == version
+    with pytest.raises(Exception, match="Concurrent transaction"):  # noqa: B017 - delta-rs's CommitFailedError
+        write_deltalake(before_rewind, tables.read_arrow(pipeline_name, "quarantine").slice(0, 1), mode="append",
+                        commit_properties=_commit(zombie_txn))
+    assert tables.read_arrow(pipeline_name, "quarantine").num_rows == quarantine_rows
+    result = run_batch(settings, spec, to_datetime(t0 + 3 * minute))  # the reprocess's own batch is not fenced
+    assert result.batch == 3 and not result.skipped
+    assert isinstance(LeaseLost("x"), MillpondError)

@@ -29,6 +29,16 @@ class Txn:
 
     app_id: str
     version: int
+    #: the writer's fence, ``(fence_app(pipeline), lease token)``: recorded with the commit too, so the Delta
+    #: log itself fences a zombie writer. A table whose fence is newer refuses the write
+    #: (``Tables.already_applied``), and one that a newer holder commits to between the writer's snapshot and
+    #: its commit fails the commit (delta-rs's conflict check: a concurrent commit carries the same app id)
+    fence: tuple[str, int] | None = None
+
+
+def fence_app(pipeline: str) -> str:
+    """The application id that fences a pipeline's writers: its version is the writing lease's token."""
+    return f"millpond/{pipeline}/fence"
 
 
 def storage_options(settings: Settings) -> dict[str, str]:
@@ -62,7 +72,10 @@ def _writer_properties(unique: Sequence[str]) -> WriterProperties | None:
 def _commit(txn: Txn | None) -> CommitProperties | None:
     if txn is None:
         return None
-    return CommitProperties(app_transactions=[Transaction(app_id=txn.app_id, version=txn.version)])
+    actions = [Transaction(app_id=txn.app_id, version=txn.version)]
+    if txn.fence is not None:
+        actions.append(Transaction(app_id=txn.fence[0], version=txn.fence[1]))
+    return CommitProperties(app_transactions=actions)
 
 
 def _endpoint_down(endpoint: str | None) -> bool:

@@ -60,15 +60,22 @@ class Table:
 
     def restore(self, version: int, txn: Txn | None = None) -> int | None:
         """Make ``version``'s rows current again as a new commit (history and time travel keep the rest).
-        Returns the new version, or None when ``txn`` was applied already. A table still at ``version`` is
-        left as it is (delta-rs refuses to restore a table to its latest version: nothing would change)."""
+        Returns the new version, or None when ``txn`` was applied already. A table still at ``version`` keeps
+        its rows (delta-rs refuses to restore a table to its latest version): only ``txn`` is committed, so the
+        rewind's fence and its idempotency reach it like the others."""
         dt = self.tables.open(self.pipeline, self.name)
         if dt is None:
             return None
         if self.tables.already_applied(dt, txn):
             return None
-        if dt.version() == version:
-            return version
+        if dt.version() == version:  # nothing to undo: a commit of the transaction alone (its fence too)
+            if txn is not None:
+                try:
+                    dt.create_write_transaction([], "append", dt.schema(), dt.metadata().partition_columns or None,
+                                                commit_properties=_commit(txn))
+                except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
+                    raise _wrap(exc, self.uri, self.tables.settings) from exc
+            return self.version()
         try:
             dt.restore(version, commit_properties=_commit(txn))
         except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line

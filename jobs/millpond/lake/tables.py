@@ -22,7 +22,7 @@ from deltalake import DeltaTable, PostCommitHookProperties, QueryBuilder, write_
 from deltalake.exceptions import TableNotFoundError
 
 from millpond.config import Settings
-from millpond.errors import MillpondError
+from millpond.errors import LeaseLost, MillpondError
 from millpond.lake.delta_options import (
     TABLE_CONFIG,
     Txn,
@@ -310,8 +310,16 @@ class Tables:
 
     # -- writing -----------------------------------------------------------------------------
     def already_applied(self, dt: DeltaTable | None, txn: Txn | None) -> bool:
+        """Whether ``txn`` was committed to the table already (a retry skips the write). Every write asks this
+        of the snapshot it commits on, so it is also where a fenced writer stops: :class:`LeaseLost` when a
+        newer lease holder has committed to the table since (``Txn.fence``)."""
         if dt is None or txn is None:
             return False
+        if txn.fence is not None:
+            newest = dt.transaction_version(txn.fence[0])
+            if newest is not None and newest > txn.fence[1]:
+                raise LeaseLost(f"{dt.table_uri}: a newer lease holder (token {newest}) has written here; this "
+                                f"writer (token {txn.fence[1]}) is fenced off and stops without writing")
         done = dt.transaction_version(txn.app_id)
         return done is not None and done >= txn.version
 

@@ -25,6 +25,7 @@ from millpond.lake.lease import Lease
 from millpond.lake.objectstore import ObjectStore, StoredObject
 from millpond.lake.schemas import BATCHES_SCHEMA, OUTPUT_TABLES, PLAN_SCHEMA, STATE_TABLES
 from millpond.lake.sql import sql_ts
+from millpond.lake.delta_options import fence_app
 from millpond.lake.tables import Tables, Txn
 from millpond.model.clock import BatchClock
 from millpond.model.spec import PipelineSpec
@@ -55,6 +56,8 @@ class BatchResult:
     reason: str = ""
     #: how the batch ran where it differs from what was asked (a retry redoing its plan at the planned time)
     note: str = ""
+    #: the engine that ran the batch, local or spark (``_run``, where ``_on_spark`` chooses); empty if skipped
+    engine: str = ""
 
     def summary(self) -> str:
         if self.skipped:
@@ -66,6 +69,7 @@ class BatchResult:
             f"{c.get('accepted', 0)}, duplicates {c.get('duplicates', 0)}, late {c.get('late', 0)}, "
             f"quarantined {c.get('quarantined', 0)}, panes {c.get('panes', 0)}"
             + (f", skipped {c['skipped']} (see `millpond history {self.pipeline}`)" if c.get("skipped") else "") + "; "
+            + (f"engine {self.engine}; " if self.engine else "")
             + ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items())
             + (f" ({self.note})" if self.note else "")
         )
@@ -99,9 +103,13 @@ class MicroBatch:
 
     #: the rewinds the pipeline went through (``runtime.rewind``): part of its commits' application id
     epoch: int = 0
+    #: the marker of the last batch committed before this one (None: the pipeline's first batch)
+    previous: dict[str, Any] | None = None
 
     def txn(self, batch: int) -> Txn:
-        return Txn(app_id=rewind.app_id(self.name, self.epoch), version=batch)
+        """The batch's application transaction, fenced by this run's lease token (``lake.delta_options.Txn``)."""
+        return Txn(app_id=rewind.app_id(self.name, self.epoch), version=batch,
+                   fence=(fence_app(self.name), self.lease.token))
 
     # history the plan reads ----------------------------------------------------------------------
     def committed(self) -> pa.Table:
@@ -151,6 +159,7 @@ class MicroBatch:
             t.lap("plan", nothing_to_do=skip)
             return BatchResult(self.name, prev["batch"], to_datetime(P), prev["watermark"], skipped=True, reason=skip)
         versions.check_spec(self, prev)  # a changed spec stops here, before anything is written
+        self.previous = prev
         self.epoch = rewind.epoch(self.tables, self.name)  # batch numbers restart after a rewind: new txn ids
         batch = self.batch = self.commits.batch = (prev["batch"] if prev else 0) + 1
         t.label = self.label = f"{self.name} batch {batch}"
@@ -173,7 +182,7 @@ class MicroBatch:
             counts["skipped"] = len(the_plan["skipped"])
             self._finish(txn, clock, max_et, counts, t)
             return BatchResult(self.name, batch, to_datetime(P), to_datetime(clock.watermark), counts, t.phases,
-                               note=note)
+                               note=note, engine="spark")
         t.begin("ingest", files=len(the_plan["files"]))
         if self.spec.upstream is not None:
             good, bad = upstream.read_upstreams(self, the_plan), []
@@ -196,7 +205,7 @@ class MicroBatch:
                   **outputs}
         self._finish(txn, clock, max_et, counts, t)
         return BatchResult(self.name, batch, to_datetime(P), to_datetime(clock.watermark), counts, t.phases,
-                           note=note)
+                           note=note, engine="local")
 
     @staticmethod
     def _planned_bytes(listing: list[StoredObject], the_plan: dict[str, Any]) -> int:

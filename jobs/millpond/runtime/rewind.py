@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 
 from millpond.config import Settings
 from millpond.errors import PipelineChanged
-from millpond.lake.delta_options import Txn
+from millpond.lake.delta_options import Txn, fence_app
 from millpond.lake.lease import Lease
 from millpond.lake.schemas import BATCHES_SCHEMA
 from millpond.lake.tables import Tables
@@ -108,7 +108,8 @@ def run(settings: Settings, tables: Tables, spec: PipelineSpec, start: int, by: 
     if r.noop:
         lease.release()
         return r
-    txn = Txn(app_id=rewind_app(name), version=epoch(tables, name) + 1)
+    # every table's commit carries the rewind's fence: a zombie batch still writing is refused from here on
+    txn = Txn(app_id=rewind_app(name), version=epoch(tables, name) + 1, fence=(fence_app(name), lease.token))
     for table, version in r.targets.items():
         lease.check()
         t = tables.table(name, table)
