@@ -20,12 +20,12 @@ import pyarrow as pa
 from millpond.config import Settings
 from millpond.errors import MillpondError
 from millpond.lake import catalog
+from millpond.lake.delta_options import fence_app
 from millpond.lake.landing import list_landing
 from millpond.lake.lease import Lease
 from millpond.lake.objectstore import ObjectStore, StoredObject
 from millpond.lake.schemas import BATCHES_SCHEMA, OUTPUT_TABLES, PLAN_SCHEMA, STATE_TABLES
 from millpond.lake.sql import sql_ts
-from millpond.lake.delta_options import fence_app
 from millpond.lake.tables import Tables, Txn
 from millpond.model.clock import BatchClock
 from millpond.model.spec import PipelineSpec
