@@ -10,7 +10,7 @@ ASSETS_STAMP := $(ASSETS)/.installed
 #: `make test`'s parallel workers (pytest-xdist): a module runs whole on one of them
 TEST_WORKERS ?= 2
 
-.PHONY: run test test-unit browser venv up down status lint bench query report docs backfill clean datadocs-assets
+.PHONY: run test test-unit soak browser venv up down status lint bench query report docs backfill clean datadocs-assets
 
 run: venv ## set everything up and run the main job on the embedded defaults
 	@$(MILLPOND) preflight
@@ -23,6 +23,10 @@ test: venv browser ## the whole suite (real S3 server, Delta tables, Spark, Airf
 
 test-unit: venv ## the pure model and configuration tests: no service, under a minute
 	$(PY) -m pytest -m unit -q
+
+soak: venv ## the randomised operations test, long: SEEDS=1,2 (default: three random, printed) STEPS (default 600)
+	MILLPOND_OPS_SEEDS=$(or $(SEEDS),$$RANDOM,$$RANDOM,$$RANDOM) MILLPOND_OPS_STEPS=$(or $(STEPS),600) \
+	  $(PY) -m pytest tests/test_operations_random.py -v
 
 browser: ## Debian's chromium for the Data Docs and Airflow UI tests (installed when missing and root)
 	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
