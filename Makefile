@@ -10,14 +10,14 @@ ASSETS_STAMP := $(ASSETS)/.installed
 #: `make test`'s parallel workers (pytest-xdist): a module runs whole on one of them
 TEST_WORKERS ?= 2
 
-.PHONY: run test test-unit soak browser venv up down status lint bench query report docs backfill clean datadocs-assets
+.PHONY: run test test-unit soak browser postgresql venv up down status lint bench query report docs backfill clean datadocs-assets
 
 run: venv ## set everything up and run the main job on the embedded defaults
 	@$(MILLPOND) preflight
 	@$(MILLPOND) up
 	@$(MILLPOND) run
 
-test: venv browser ## the whole suite (real S3 server, Delta tables, Spark, Airflow, a browser), TEST_WORKERS at once
+test: venv browser postgresql ## the whole suite (real S3 server, Delta tables, Spark, Airflow, a browser), TEST_WORKERS at once
 	$(VENV)/bin/ruff check jobs dags tests bench
 	$(PY) -m pytest -n $(TEST_WORKERS)
 
@@ -32,6 +32,12 @@ browser: ## Debian's chromium for the Data Docs and Airflow UI tests (installed 
 	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } ; } || \
 	  { echo "millpond: error: chromium not found: install it (Debian: sudo apt-get install -y chromium), then run make test again"; exit 1; }
+
+postgresql: ## Debian's PostgreSQL binaries for the Airflow-on-PostgreSQL test (installed when missing and root)
+	@compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || command -v initdb >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; } ; } || \
+	  echo "millpond: PostgreSQL not found: tests/test_airflow_postgres.py will skip (Debian: sudo apt-get install -y postgresql)"
 
 venv: $(STAMP) $(ASSETS_STAMP)
 

@@ -21,6 +21,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
                    help="add airflow_dag_run_1k_s: DAG runs in a private Airflow (~1 minute to start; --full has it)")
     p.add_argument("--no-beam", action="store_true", help="skip the Beam peer (its venv is built on first use)")
     p.add_argument("--no-flink", action="store_true", help="skip the Flink peer (its venv is built on first use)")
+    p.add_argument("--lake-bytes", type=int, metavar="BATCHES", dest="lake_bytes",
+                   help="run lake_bytes_* over this many batches (the lake counted after a quarter and at the end; "
+                        "--full: 2000; default: skipped)")
     p.add_argument("--only", action="append", metavar="MEASURE",
                    help="run only this measure method (e.g. measure_flink; repeatable)")
     p.add_argument("--out", help="results JSON (default bench/results.json; var/bench/results-quick.json for --quick)")
@@ -37,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, flink_events=0)
     if args.airflow:
         plan = replace(plan, airflow=True)
+    if args.lake_bytes is not None:
+        plan = replace(plan, lake_bytes_batches=args.lake_bytes)
     default_out = (PROJECT_ROOT / "var/bench/results-quick.json") if args.quick else (
         PROJECT_ROOT / "bench/results.json")
     out = Path(args.out) if args.out else default_out

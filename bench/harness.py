@@ -57,6 +57,7 @@ from millpond.orchestration.processes import read_pid
 from millpond.orchestration.store import EmbeddedStore, isolated_store_env
 from millpond.runtime.job import run_batch
 
+from bench.lake_bytes import LakeBytesMeasures
 from bench.spark_engine import SPARK_ENGINE_TARGETS, SparkEngineMeasures
 from bench.workload import Workload, WorkloadSpec, generate, jsonl_bytes, land, write_local
 
@@ -138,6 +139,11 @@ class Plan:
     #: a year of history costs nothing per batch: one sequence of this many short batches (0 = skip)
     long_history_batches: int = 2_000
     long_history_events: int = 40
+    #: `lake_bytes_*` (``bench.lake_bytes``): this many batches of the long-history workload under a retention of
+    #: `lake_bytes_retention_s` seconds, the lake counted after a quarter and at the end (0 = skip: it takes as
+    #: long as the long-history sequence; `--full` runs it, `--lake-bytes N` sets it)
+    lake_bytes_batches: int = 0
+    lake_bytes_retention_s: float = 30.0
     #: `airflow_dag_run_1k_s`: starts a private Airflow (~1 minute), so only with --airflow or --full
     airflow: bool = False
     airflow_events: int = 1_000
@@ -174,7 +180,7 @@ PLANS = {
                   spark_validation_runs=1, spark_over_time_repeats=1),
     "default": Plan("default"),
     "full": Plan("full", session_sizes=(10_000, 100_000, 1_000_000, 10_000_000), airflow=True,
-                 spark_engine_big_events=10_000_000),
+                 spark_engine_big_events=10_000_000, lake_bytes_batches=2_000),
 }
 
 
@@ -256,7 +262,7 @@ class MemorySampler:
 
 # -- the bench ----------------------------------------------------------------------------------
 @dataclass
-class Bench(SparkEngineMeasures):
+class Bench(SparkEngineMeasures, LakeBytesMeasures):
     settings: Settings
     plan: Plan
     spark: Any
@@ -901,7 +907,7 @@ class Bench(SparkEngineMeasures):
     def run_all(self) -> None:
         steps = [self.measure_tiny, self.measure_sessions_scaling, self.measure_fixed, self.measure_spark_path,
                  self.measure_beam, self.measure_streaming, self.measure_over_time, self.measure_validation,
-                 self.measure_long_history, self.measure_flink, self.measure_airflow_dag_run,
+                 self.measure_long_history, self.measure_lake_bytes, self.measure_flink, self.measure_airflow_dag_run,
                  # the Spark engine (bench.spark_engine): Connect clients of a server the bench starts
                  self.measure_spark_engine_tiny, self.measure_spark_engine_sessions,
                  self.measure_spark_engine_validation, self.measure_spark_engine_over_time]
@@ -1050,7 +1056,7 @@ def main_bench(plan: Plan, out: Path | None, log: Callable[[str], None] = print,
         log(f"bench ({plan.name}): private object store at {settings.s3_endpoint}, home {home}")
         store.start()
         # the Spark-engine measures run in Connect clients of their own server: no session in this process
-        if steps is None or not all(s.startswith("measure_spark_engine") for s in steps):
+        if steps is None or not all(s.startswith("measure_spark_engine") or s == "measure_lake_bytes" for s in steps):
             from millpond.runtime.spark_session import get_spark
 
             t = time.perf_counter()

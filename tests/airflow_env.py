@@ -79,11 +79,11 @@ def write_conf_dir(folder: Path, names: tuple[str, ...] = (PIPELINE,)) -> Path:
     return folder
 
 
-def start_test_stack(conf_dir: Path):
+def start_test_stack(conf_dir: Path, **overrides: str):
     """A real Airflow (four processes) on a free port, sharing the test store; tables under their own root.
 
     Returns (stack, settings the stack's tasks see). Live schedules are off so nothing but the tests'
-    own runs touches the tables.
+    own runs touches the tables. ``overrides``: more environment for the stack (another home, database, ...).
     """
     from millpond.orchestration.airflow_stack import start_isolated_stack
     from millpond.orchestration.processes import free_port
@@ -98,4 +98,4 @@ def start_test_stack(conf_dir: Path):
         "MILLPOND_AIRFLOW_PARALLELISM": "2",
         # the suite's Airflow runs batches in-process; tests/test_spark_engine.py runs them as Spark jobs
         "MILLPOND_ENGINE": "local",
-    })
+    } | overrides)

@@ -28,9 +28,10 @@ MODEL_TEST_MODULES = frozenset({"test_custom_strategies", "test_computation", "t
 SHARED_WORKER = {"test_airflow_dagtest": "airflow", "test_airflow_ui": "airflow"}
 #: the longest modules, started first so that no worker is left with one of them at the end (from
 #: ``--durations``; any module not named here follows, in file order)
-LONGEST_FIRST = ("test_spark_engine", "test_airflow_dagtest", "test_airflow_ui", "test_differential_beam",
-                 "test_bench_smoke", "test_quality_spark", "test_exactly_once", "test_conformance_paper",
-                 "test_flink_peer")
+LONGEST_FIRST = ("test_spark_engine", "test_airflow_dagtest", "test_airflow_ui", "test_airflow_postgres",
+                 "test_differential_beam", "test_bench_smoke", "test_quality_spark", "test_operations_random",
+                 "test_cores", "test_exactly_once",
+                 "test_conformance_paper", "test_flink_peer")
 
 
 def _stem(nodeid: str) -> str:

@@ -241,3 +241,14 @@ def test_quiet_batches_leave_seen_ids_alone_on_every_engine(settings, tables, sp
         for table in local:
             assert ([r.replace(names["local"], "P") for r in local[table]]
                     == [r.replace(names[path], "P") for r in other[table]]), (path, table)
+
+
+def test_random_operations_on_the_spark_engine(settings, tables, spark, pipeline_name) -> None:
+    """The randomised operations test (``tests/test_operations_random.py``), shorter, with the upstream's
+    batches on the Spark engine's multi-stage plan: failures after each commit, retries at other times,
+    reprocesses, stages (on the local engine) behind it; the same invariants, and the end equals a fresh run."""
+    from test_operations_random import run_world
+
+    chosen = settings.with_overrides(engine="spark", engine_local_below=0, engine_one_task_below=0)
+    run_world(settings, tables, pipeline_name, seed=5, steps=int(os.environ.get("MILLPOND_OPS_SPARK_STEPS", "20")),
+              spark=spark, up_settings=chosen)

@@ -63,6 +63,14 @@ def test_every_setting_is_declared_once_and_documented() -> None:
     assert not missing, f"docs/settings.md lacks {missing}"
 
 
+def test_the_documented_engine_default_is_the_shipped_one() -> None:
+    """docs/settings.md gives the engine a deployment gets: the shipped file's, then the code's when a file has none."""
+    docs = (ROOT / "docs" / "settings.md").read_text()
+    default = next(line for line in docs.splitlines() if line.startswith("| `engine.name` |")).split(" | ")[2]
+    shipped, bare = load_settings(env={}).engine, next(o.default for o in OPTIONS if o.name == "engine")
+    assert default.startswith(f"`{shipped}` (the shipped `conf/millpond.yaml`") and f"`{bare}` in a file" in default
+
+
 def test_nothing_reads_millpond_variables_at_import_time() -> None:
     """Module-level reads of MILLPOND_* would freeze a setting before the settings object exists."""
     import ast

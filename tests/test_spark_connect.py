@@ -1,23 +1,29 @@
 """The stack's warm Spark: a Connect server from pyspark's jars on loopback, tasks as clients; a stopped
-server is one line that names `make up`; only clients with the stack's token run code on it. Clients run in
+server is one line that names `make up`; only clients with the stack's token run code on it; the commands
+(`millpond batch`, `millpond replay`) are its clients when the deployment's engine is spark. Clients run in
 their own process, as Airflow tasks do (a process with a classic Spark session, like this test run's, cannot
-open a Connect session)."""
+open a Connect session). The module starts one server (``connect_server``): the commands' test uses it, then
+the server's life test ends it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from millpond.orchestration.processes import free_port, read_pid
 from millpond.orchestration.spark_server import SparkConnectServer
 
 pytestmark = pytest.mark.slow
+SCENARIOS = Path(__file__).parent / "scenarios"
 
 CLIENT = """
 import json, sys
@@ -99,7 +105,111 @@ print("finished", flush=True)
 """
 
 
-def test_connect_server_starts_answers_clients_fails_a_frozen_batch_in_time_and_stops(settings, tmp_path,
+@pytest.fixture(scope="module")
+def connect_server(settings, tmp_path_factory):
+    """The module's one Connect server (a JVM start costs seconds of both cores), started once: what a client
+    got before it started, and whether ``start`` started it, for the life test (which stops it; so does the
+    teardown, if a test left it running)."""
+    home = tmp_path_factory.mktemp("connect-home")
+    # no configured token: the server takes the one `make up` generates (the session's, if any, is not used)
+    local = settings.with_overrides(home=home, spark_connect_port=free_port(), spark_ui_port=free_port(),
+                                    spark_master="local[2]", spark_connect_token="")
+    server = SparkConnectServer(local)
+    down = _client(local.spark_connect_url)
+    started = server.start()
+    try:
+        yield SimpleNamespace(settings=local, server=server, down=down, started=started)
+    finally:
+        pid = read_pid(server.pidfile)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(os.getpgid(pid), signal.SIGCONT)
+            server.stop()
+
+
+def _completed_jobs(ui_url: str) -> int:
+    """The Spark jobs the server's application has completed, from its UI's REST API (a Connect client has
+    no ``sparkContext`` to ask)."""
+    def get(path: str, attempts: int = 3):
+        try:  # the UI's first answers can take long on a busy machine (two cores, the JVM still warming up)
+            with urllib.request.urlopen(f"{ui_url}/api/v1/{path}", timeout=60) as resp:
+                return json.loads(resp.read())
+        except OSError:
+            if attempts == 1:
+                raise
+            return get(path, attempts - 1)
+
+    app = get("applications")[0]["id"]
+    return sum(job["status"] == "SUCCEEDED" for job in get(f"applications/{app}/jobs"))
+
+
+def _jobs_settled(ui_url: str, at_least: int | None = None, wait: float = 15.0) -> int:
+    """The completed-job count once the UI has caught up (its listener lags the jobs a little): at least
+    ``at_least`` if that comes within ``wait``; without one, once two reads a second apart agree."""
+    deadline, n = time.monotonic() + wait, _completed_jobs(ui_url)
+    while time.monotonic() < deadline:
+        if at_least is not None and n >= at_least:
+            return n
+        time.sleep(1.0)
+        n, last = _completed_jobs(ui_url), n
+        if at_least is None and n == last:
+            return n
+    return n
+
+
+def _millpond(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """The console script's code (``python -m millpond``) in its own process, as an operator runs it."""
+    return subprocess.run([sys.executable, "-m", "millpond", *args], capture_output=True, text=True, timeout=600,
+                          env=_env(**env))
+
+
+def test_commands_run_on_the_deployments_connect_server_unless_told_local(connect_server, tmp_path,
+                                                                         pipeline_name) -> None:
+    """With engine spark (from the environment), `millpond batch` and `millpond replay` are clients of the
+    deployment's Connect server: their batches are Spark jobs there, and the summary names spark; with
+    `--engine local` the same commands run in-process (no job on the server) and give the same panes."""
+    from millpond.lake.landing import arrival_tag
+    from millpond.lake.objectstore import ObjectStore
+    from millpond.model.timeutil import to_us
+
+    local, server = connect_server.settings, connect_server.server
+    env = {"MILLPOND_ENGINE": "spark", "MILLPOND_SPARK_CONNECT": local.spark_connect_url,
+           "MILLPOND_SPARK_CONNECT_TOKEN": server.token_file.read_text().strip()}
+    store = ObjectStore(local)
+    for name, engine, forced in ((pipeline_name, "spark", ()), (f"{pipeline_name}_l", "local", ("--engine", "local"))):
+        conf = tmp_path / f"{name}.yaml"
+        conf.write_text(json.dumps({"name": name, "window": {"type": "sessions", "gap": "1m"}, "batch_interval": "1m"}))
+        body = "".join(json.dumps({"id": f"e{i}", "key": f"k{i % 3}", "value": i,
+                                   "event_time": f"2026-01-01T12:0{i % 4}:10Z"}) + "\n" for i in range(12))
+        store.put_bytes(local.bucket_landing, f"{name}/{arrival_tag(to_us('2026-01-01T12:04:00Z'))}-a.jsonl",
+                        body.encode())
+        before = _jobs_settled(server.ui_url)
+        out = _millpond("batch", str(conf), "--at", "2026-01-01T12:05:00Z", "--watermark", "2026-01-01T12:05:00Z",
+                        *forced, **env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        summary = out.stdout.strip().splitlines()[-1]
+        assert "input 12, accepted 12" in summary and f"; engine {engine}; " in summary, summary
+        after = _jobs_settled(server.ui_url, at_least=before + 1 if engine == "spark" else None)
+        # on spark, the batch was Spark jobs on this server; told local, it ran none there
+        assert after > before if engine == "spark" else after == before, (engine, before, after)
+    # replay: --engine spark and --engine local, the same panes
+    panes = {}
+    for engine in ("spark", "local"):
+        before = _jobs_settled(server.ui_url)
+        out = _millpond("replay", "--pipeline", str(SCENARIOS / "fig14_sessions_retracting.yaml"),
+                        "--events", str(SCENARIOS / "fig14_sessions_retracting.jsonl"),
+                        "--name", f"{pipeline_name}_r{engine[0]}", "--engine", engine,
+                        **env | {"MILLPOND_ENGINE": "local" if engine == "spark" else "spark"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        summaries = [line for line in out.stderr.splitlines() if " batch " in line and " @ " in line]
+        assert summaries and all(f"; engine {engine}; " in line for line in summaries), out.stderr[-2000:]
+        panes[engine] = out.stdout.replace(f"{pipeline_name}_r{engine[0]}", "P")
+        after = _jobs_settled(server.ui_url, at_least=before + 1 if engine == "spark" else None)
+        assert after > before if engine == "spark" else after == before, (engine, before, after)
+    assert panes["spark"] == panes["local"] and panes["local"].count("\n") > 0
+
+
+def test_connect_server_starts_answers_clients_fails_a_frozen_batch_in_time_and_stops(connect_server,
                                                                                       pipeline_name) -> None:
     """One server's life: a client before it starts gets one line naming `make up`; started (idempotently), it
     refuses clients without its token or with a wrong one, and answers those with it: the stack's own (the
@@ -108,14 +218,10 @@ def test_connect_server_starts_answers_clients_fails_a_frozen_batch_in_time_and_
     one line naming it, instead of hanging until the task's timeout; stopped, nothing of it is left."""
     from millpond.orchestration.processes import group_members
 
-    port = free_port()
-    # no configured token: the server takes the one `make up` generates (the session's, if any, is not used)
-    local = settings.with_overrides(home=tmp_path, spark_connect_port=port, spark_ui_port=free_port(),
-                                    spark_master="local[2]", spark_connect_token="")
-    server = SparkConnectServer(local)
-    down = _client(local.spark_connect_url)
-    assert "is not answering: start it with `make up`" in down["error"]
-    assert server.start() is True
+    local, server = connect_server.settings, connect_server.server
+    port = local.spark_connect_port
+    assert "is not answering: start it with `make up`" in connect_server.down["error"]
+    assert connect_server.started is True
     group = os.getpgid(read_pid(server.pidfile))
     client = None
     try:
@@ -134,7 +240,7 @@ def test_connect_server_starts_answers_clients_fails_a_frozen_batch_in_time_and_
         assert token_file.read_text().strip() == token  # generated once
         assert "running (pid" in server.status() and local.spark_connect_url in server.status()
         # the stack's own clients (Airflow tasks: the same MILLPOND_HOME) read the token from the home
-        assert _client("", MILLPOND_HOME=str(tmp_path), MILLPOND_SPARK_CONNECT_PORT=str(port)) == \
+        assert _client("", MILLPOND_HOME=str(local.home), MILLPOND_SPARK_CONNECT_PORT=str(port)) == \
             {"sum": 4950, "same": True}
         events = Path(__file__).parent / "scenarios" / "fig14_sessions_retracting.jsonl"
         # a deployment's endpoint (spark.connect) with its token from the environment

@@ -73,6 +73,13 @@ def _optional_int(value: Any) -> int | None:
     return None if value in (None, "", "auto") else _int(value)
 
 
+def _positive_seconds(value: Any) -> float:
+    seconds = _seconds(value)
+    if seconds <= 0:
+        raise ValueError("expected a duration longer than zero, such as 7d")
+    return seconds
+
+
 @dataclass(frozen=True)
 class Option:
     """One setting: its field, its place in ``millpond.yaml``, its environment variable, type and default."""
@@ -105,6 +112,9 @@ OPTIONS: tuple[Option, ...] = (
            "bucket reports and Data Docs are published to"),
     Option("table_root", "table_root", "MILLPOND_TABLE_ROOT", _str, "tables",
            "prefix of the Delta tables inside the lake bucket"),
+    Option("retention_s", "retention", "MILLPOND_RETENTION", _positive_seconds, 7 * 86400.0,
+           "how long a table's history is kept (the files newer versions replaced, the log): time travel, a "
+           "reprocess and a lagging stage reach back this far; a pipeline's `retention:` may lengthen it"),
     Option("engine", "engine.name", "MILLPOND_ENGINE", _str, "local",
            "what runs a batch's per-key step: local (in-process, forked over the cores) or spark"),
     Option("engine_local_below", "engine.local_below", "MILLPOND_ENGINE_LOCAL_BELOW", _int, 0,
@@ -145,6 +155,9 @@ OPTIONS: tuple[Option, ...] = (
            "validation results kept per suite (older ones and their pages are pruned)"),
     Option("datadocs_assets", "quality.datadocs_assets", "MILLPOND_DATADOCS_ASSETS", _str, "",
            "installed CSS/JS for offline Data Docs (empty: var/datadocs-assets/node_modules)"),
+    Option("freshness_hook", "quality.freshness_hook", "MILLPOND_FRESHNESS_HOOK", _str, "",
+           "where freshness alerts go besides the log: module:function (called with pipeline, check, message, "
+           "detail) or an http(s):// URL (POSTed as JSON); empty: the log only"),
     Option("s3_port", "embedded_store.s3_port", "MILLPOND_S3_PORT", _int, 8333, "embedded store: S3 port"),
     Option("weed_master_port", "embedded_store.master_port", "MILLPOND_WEED_MASTER_PORT", _int, 9333,
            "embedded store: master port"),
@@ -173,6 +186,9 @@ OPTIONS: tuple[Option, ...] = (
            "Airflow metadata database (empty: SQLite under var/airflow)"),
     Option("demo", "demo", "MILLPOND_DEMO", _bool, False,
            "DAG runs land each pipeline's demo events before their batch"),
+    Option("lineage_url", "lineage.url", "MILLPOND_OPENLINEAGE_URL", _str, "",
+           "where the DAG runs' OpenLineage events go: an http(s):// endpoint or a file:// path (one event a "
+           "line); empty: no events (unless Airflow's own [openlineage] transport is set)"),
 )
 #: environment-only settings: where the configuration itself lives
 HOME_ENV, CONF_ENV = "MILLPOND_HOME", "MILLPOND_CONF_DIR"
@@ -196,6 +212,7 @@ class Settings:
     bucket_lake: str
     bucket_reports: str
     table_root: str
+    retention_s: float
     engine: str
     engine_local_below: int
     engine_one_task_below: int
@@ -214,6 +231,7 @@ class Settings:
     expectations_dir: str
     dq_keep_results: int
     datadocs_assets: str
+    freshness_hook: str
     s3_port: int
     weed_master_port: int
     weed_volume_port: int
@@ -229,6 +247,7 @@ class Settings:
     airflow_task_timeout_s: float
     airflow_db_url: str
     demo: bool
+    lineage_url: str
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property

@@ -3,6 +3,7 @@ transactions, writer and table properties, and delta-rs errors turned into one l
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +17,9 @@ from millpond.errors import MillpondError, StoreUnreachable
 from millpond.lake.waits import ATTEMPTS, StoreWait, not_answering, timed_out
 
 #: Checkpoint every 10 commits: opening a table replays at most 10 JSON commits, however long its history.
-TABLE_CONFIG = {"delta.checkpointInterval": "10"}
+#: No log expiry after each commit: delta-rs's would list the whole log every commit and expire entries that a
+#: version still within retention needs (the upkeep expires the log instead, ``Tables.expire_log``).
+TABLE_CONFIG = {"delta.checkpointInterval": "10", "delta.enableExpiredLogCleanup": "false"}
 #: tables created with the Delta change feed enabled: a stage reads the rows each commit of its upstream's
 #: ``panes`` added (``Tables.read_added``); an append-only table writes no change files for it
 CHANGE_FEED_TABLES = ("panes",)
@@ -113,11 +116,34 @@ def _wrap(exc: Exception, uri: str, settings: Settings | None = None) -> Millpon
     return MillpondError(f"Delta operation on {uri} failed: {text[:300]}")
 
 
-def _table_config(stats_columns: Sequence[str] | None, name: str = "") -> dict[str, str]:
+def _table_config(stats_columns: Sequence[str] | None, name: str = "", retention_s: float | None = None
+                  ) -> dict[str, str]:
     config = dict(TABLE_CONFIG) | (CHANGE_FEED if name in CHANGE_FEED_TABLES else {})
+    if retention_s is not None:  # the deployment's; a pipeline's longer one is set by its first vacuum
+        config |= retention_config(retention_s)
     if stats_columns:
         config["delta.dataSkippingStatsColumns"] = ",".join(stats_columns)
     return config
+
+
+#: the table properties that say how long a table keeps its history (``Tables.vacuum`` sets them): replaced files
+#: and log entries alike, for the pipeline's retention (``runtime.upkeep.retention_of``)
+RETENTION_PROPERTIES = ("delta.deletedFileRetentionDuration", "delta.logRetentionDuration")
+_INTERVAL = re.compile(r"interval\s+(\d+)\s+(second|minute|hour|day|week)s?", re.I)
+_UNIT_S = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "week": 604800}
+
+
+def retention_config(retention_s: float) -> dict[str, str]:
+    """The table properties of a history kept ``retention_s`` seconds (whole seconds, at least one)."""
+    interval = f"interval {max(1, math.ceil(retention_s))} seconds"
+    return {**dict.fromkeys(RETENTION_PROPERTIES, interval), "delta.enableExpiredLogCleanup": "false"}
+
+
+def retention_seconds(config: dict[str, str]) -> float | None:
+    """The retention a table's properties record (the shorter of its two), None when they record none."""
+    found = [_INTERVAL.fullmatch(config.get(k, "").strip()) for k in RETENTION_PROPERTIES]
+    values = [int(m.group(1)) * _UNIT_S[m.group(2).lower()] for m in found if m]
+    return float(min(values)) if values else None
 
 
 def _kept(source: pa.Table, delete_when: str | None) -> pa.Table | None:

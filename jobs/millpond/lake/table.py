@@ -6,18 +6,25 @@ works on a table says ``table.append(rows, txn=txn)`` rather than passing (pipel
 
 from __future__ import annotations
 
+import functools
+import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+from deltalake import DeltaTable
 
-from millpond.lake.delta_options import Txn, _commit, _wrap
+from millpond.config import Settings
+from millpond.lake.delta_options import Txn, _commit, _wrap, retention_config, retention_seconds
+from millpond.lake.objectstore import ObjectStore
 
 
 @dataclass(frozen=True)
 class Table:
-    """``s3://<lake>/<root>/<pipeline>/<name>``: read, append, merge, history, restore."""
+    """``s3://<lake>/<root>/<pipeline>/<name>``: read, append, merge, history, restore; its history kept for a
+    retention (vacuum, expire_log)."""
 
     #: the process's ``millpond.lake.tables.Tables`` (its snapshots and caches)
     tables: Any
@@ -93,3 +100,93 @@ class Table:
         except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
             raise _wrap(exc, self.uri, self.tables.settings) from exc
         return self.version()
+
+    # -- retention: what of the table's history is kept (``runtime.upkeep`` keeps it) ------------------------
+    def commit_times(self, after: int | None = None, upto: int | None = None) -> dict[int, float]:
+        """{version: when it was committed} (epoch seconds: its log entry's time in the store, to the second)
+        for the commits the log keeps, after ``after`` and up to ``upto`` when given: one listing of the log."""
+        return {v: o.last_modified for v, kind, o in self._log(after, upto) if kind == "json"}
+
+    def _log(self, after: int | None = None, upto: int | None = None) -> list[tuple[int, str, Any]]:
+        """The log's entries (version, "json" or "checkpoint", the stored object) after ``after``'s commit and up
+        to ``upto``."""
+        prefix = self.uri.split("/", 3)[3] + "/_delta_log/"
+        start = None if after is None else f"{prefix}{after:020d}.json"
+        stop = None if upto is None else f"{prefix}{upto + 1:020d}"
+        settings = self.tables.settings
+        out = []
+        for o in _store(settings).list(settings.bucket_lake, prefix, start_after=start, stop_at=stop):
+            m = _LOG_ENTRY.fullmatch(o.key[len(prefix):])
+            if m:
+                out.append((int(m.group(1)), "json" if m.group(2) == "json" else "checkpoint", o))
+        return out
+
+    def replaced_at(self, version: int) -> float | None:
+        """When ``version`` stopped being the table's latest (the next commit's time; 0.0 when the log no longer
+        keeps that commit); None while it is the latest. A version stays readable while it was the latest within
+        the table's retention: ``vacuum`` keeps its files and ``expire_log`` its log entries."""
+        found = self.commit_times(after=version, upto=version + 1)
+        if version + 1 in found:
+            return found[version + 1]
+        latest = self.version()
+        return None if latest is None or latest <= version else 0.0
+
+    def retention(self) -> float | None:
+        """The retention (seconds) the table's properties record (None: none, or no table)."""
+        dt = self.tables.open(self.pipeline, self.name)
+        return None if dt is None else retention_seconds(dt.metadata().configuration)
+
+    def vacuum(self, retention_s: float) -> int:
+        """Delete the data files that no version within ``retention_s`` needs: the files that versions replaced
+        more than ``retention_s`` ago (delta-rs's vacuum), so every version that was the table's latest at any
+        time since keeps its files. Returns how many went. The retention is first recorded in the table's
+        properties (a commit, when they differ), which the vacuum reads to the second (its ``retention_hours``
+        would round to hours), and with which the log expires (``expire_log``).
+
+        From an hour on, a full vacuum: also the files no commit names that are older than that (a killed
+        write's); below (tests), only the files commits removed, since a file a batch's Spark tasks are still
+        writing may be a few seconds old."""
+        dt = self.tables.open(self.pipeline, self.name)
+        if dt is None:
+            return 0
+        hooks = self.tables._hooks  # the writer's: no checkpoint, no log expiry of delta-rs's own
+        try:
+            wanted = retention_config(retention_s)
+            if any(dt.metadata().configuration.get(k) != v for k, v in wanted.items()):
+                dt.alter.set_table_properties(wanted, raise_if_not_exists=False, post_commithook_properties=hooks)
+            deleted = dt.vacuum(retention_hours=None, dry_run=False, enforce_retention_duration=False,
+                                full=retention_s >= 3600, post_commithook_properties=hooks)
+        except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
+            raise _wrap(exc, self.uri, self.tables.settings) from exc
+        return len(deleted)
+
+    def expire_log(self, retention_s: float, now: float | None = None) -> int:
+        """Delete the log entries no version within ``retention_s`` needs: those before the last checkpoint at
+        or before the version that was the table's latest ``retention_s`` ago, so that version and every later
+        one stay loadable (delta-rs's ``cleanup_metadata`` on that version: its own expiry after a commit
+        deletes up to the latest checkpoint, stranding versions still within retention). Needs the table's
+        ``delta.logRetentionDuration`` at that version to be at most ``retention_s`` (``vacuum`` sets it);
+        until then it deletes less. Returns how many commits' entries went."""
+        now = time.time() if now is None else now
+        log = self._log()
+        then = max((v for v, kind, o in log if kind == "json" and o.last_modified <= now - retention_s - 1),
+                   default=None)
+        since = max((v for v, kind, _ in log if kind == "checkpoint" and then is not None and v <= then), default=None)
+        if since is None or not any(v < since for v, _, _ in log):
+            return 0
+        try:
+            DeltaTable(self.uri, storage_options=self.tables.options, version=then).cleanup_metadata()
+        except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
+            raise _wrap(exc, self.uri, self.tables.settings) from exc
+        expired = {v for v, kind, _ in log if kind == "json" and v < since}
+        return len(expired - {v for v, kind, _ in self._log(upto=since - 1) if kind == "json"})
+
+
+#: an entry of a table's log: a commit (``00000000000000000012.json``) or a checkpoint (``...12.checkpoint.parquet``)
+_LOG_ENTRY = re.compile(r"(\d{20})\.(json|checkpoint\.parquet|checkpoint\.\d+\.\d+\.parquet)")
+
+
+@functools.lru_cache(maxsize=8)
+def _store(settings: Settings) -> ObjectStore:
+    """The object store the tables' logs are listed in (one client per deployment and process)."""
+    return ObjectStore(settings)

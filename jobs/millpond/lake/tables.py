@@ -84,7 +84,9 @@ class Tables:
         self.options = storage_options(settings)
         # False: commits never write a checkpoint themselves; the writer calls ``checkpoint`` when it
         # chooses (the micro-batch job spreads them over batches, see ``MicroBatch._maintain``).
-        self._hooks = None if auto_checkpoint else PostCommitHookProperties(create_checkpoint=False)
+        # Nor do they expire the log (the upkeep does, ``expire_log``: delta-rs's would list the log every commit).
+        self._hooks = None if auto_checkpoint else PostCommitHookProperties(create_checkpoint=False,
+                                                                            cleanup_expired_logs=False)
         # Latest snapshots, shared by every Tables object of this process and refreshed incrementally
         # (only the commits since are read): a batch opens each table several times, and a process that
         # runs many batches (`millpond run`, replay, the bench) would otherwise read each table's
@@ -165,7 +167,7 @@ class Tables:
             dt = DeltaTable.create(
                 uri, schema, mode="ignore", partition_by=list(partition_by) if partition_by else None,
                 storage_options=self.options, name=f"{pipeline}.{name}",
-                configuration=_table_config(stats_columns, name),
+                configuration=_table_config(stats_columns, name, self.settings.retention_s),
             )
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, uri, self.settings) from exc
@@ -258,7 +260,7 @@ class Tables:
         """The rows that the data-changing commits after version ``after`` (None: from the table's start)
         up to and including ``upto`` added, through the Delta change feed: only those commits' added
         files are read; a commit that only rewrites files (a compaction, ``dataChange=false``) adds
-        nothing. Needs the commits' log entries (kept for the table's log retention, 30 days by default)."""
+        nothing. Needs the commits' log entries and added files: kept for the pipeline's retention."""
         if upto is None or (after is not None and upto <= after):
             return schema.empty_table()
         if after is None:  # from the start: the table as of ``upto`` is every row added so far, rewinds applied
@@ -342,7 +344,8 @@ class Tables:
             if dt is None:  # the first write creates the table: its version 0 holds these rows
                 write_deltalake(uri, data, mode=mode, partition_by=list(partition_by) if partition_by else None,
                                 storage_options=self.options, commit_properties=_commit(txn),
-                                configuration=_table_config(None, name), post_commithook_properties=self._hooks,
+                                configuration=_table_config(None, name, self.settings.retention_s),
+                                post_commithook_properties=self._hooks,
                                 writer_properties=_writer_properties(unique))
                 self._created.add(uri)
             else:
@@ -381,7 +384,7 @@ class Tables:
             try:
                 write_deltalake(uri, kept, mode="append", partition_by=list(partition_by) if partition_by else None,
                                 storage_options=self.options, name=f"{pipeline}.{name}",
-                                configuration=_table_config(stats_columns, name),
+                                configuration=_table_config(stats_columns, name, self.settings.retention_s),
                                 commit_properties=_commit(txn), post_commithook_properties=self._hooks)
             except Exception as exc:  # noqa: BLE001
                 raise _wrap(exc, uri, self.settings) from exc
@@ -422,11 +425,11 @@ class Tables:
 
     def compact(self, pipeline: str, name: str, over_files: int, target_size: int | None = None) -> bool:
         """Bin-pack a table's small files (below ``target_size`` bytes, default delta-rs's) into as few as
-        fit once it has more than ``over_files`` (a ``dataChange=false`` commit: readers and time travel
+        fit once it has more than ``over_files`` of them (a ``dataChange=false`` commit: readers and time travel
         see the same rows), so that reading, and committing to, a table a batch appends to does not
         grow with the number of batches."""
         dt = self._snapshot(pipeline, name)
-        if dt is None or len(dt.file_uris()) <= over_files:
+        if dt is None or _files_below(dt, target_size) <= over_files:
             return False
         try:
             dt.update_incremental()
@@ -439,10 +442,11 @@ class Tables:
                 txn: Txn | None = None, unique: Sequence[str] = ()) -> bool:
         """Replace every file of the table by one file of ``rows``, which were derived from it as of
         ``base_version`` plus ``added``: a compaction that also drops rows (expired dedup ids) in the
-        commit that adds the new ones. If the table has moved on since ``base_version``, only ``added``
-        is appended (nothing is lost; the compaction waits). False if ``txn`` was already applied."""
+        commit that adds the new ones. If the table has moved on since ``base_version`` (other than by a
+        vacuum), only ``added`` is appended (nothing is lost; the compaction waits). False if ``txn`` was
+        already applied."""
         dt = self.open(pipeline, name)
-        if dt is None or dt.version() != base_version:
+        if dt is None or dt.version() != base_version and not _same_rows_since(dt, base_version):
             return self.append(pipeline, name, added, txn=txn, unique=unique)
         if self.already_applied(dt, txn):
             return False
@@ -471,6 +475,25 @@ class Tables:
         except Exception as exc:  # noqa: BLE001
             raise _wrap(exc, self.uri(pipeline, name), self.settings) from exc
         return True
+
+
+#: commits that change neither a table's rows nor its files: the upkeep's (``Tables.vacuum``)
+UPKEEP_ONLY = ("VACUUM START", "VACUUM END", "SET TBLPROPERTIES")
+
+
+def _files_below(dt: DeltaTable, size: int | None) -> int:
+    """How many data files the snapshot has (below ``size`` bytes, when given)."""
+    if size is None:
+        return len(dt.file_uris())
+    sizes = pa.table(dt.get_add_actions(flatten=True)).column("size_bytes")
+    return int(pc.sum(pc.less(sizes, size)).as_py() or 0)
+
+
+def _same_rows_since(dt: DeltaTable, version: int) -> bool:
+    """Whether every commit after ``version`` left the rows and files as they were (the batch's own upkeep
+    step may vacuum the table between the batch's plan and its commits)."""
+    later = dt.version() - version
+    return later > 0 and all(h.get("operation") in UPKEEP_ONLY for h in dt.history(later))
 
 
 def _evolves(dt: DeltaTable, data: pa.Table) -> str | None:

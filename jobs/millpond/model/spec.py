@@ -58,14 +58,30 @@ class PipelineSpec:
     def pane_value_type(self) -> str:
         return output_value_type(combiner(self.aggregation), self.value_type)
 
+    @property
+    def freshness(self) -> dict[str, int]:
+        """The declared ``freshness`` thresholds in microseconds by check (``watermark_lag``, ``last_batch``)."""
+        return parse_freshness(self.raw.get("freshness"))
+
+    @property
+    def retention(self) -> int | None:
+        """How long this pipeline's table history is kept, in microseconds, when its file says (``retention:``);
+        the deployment's ``retention`` setting applies when it is longer, or when the file says nothing."""
+        return parse_retention(self.raw.get("retention"))
+
 
 #: the keys a pipeline file may hold, and the keys of its blocks that are not interpreted elsewhere
 PIPELINE_KEYS = ("name", "description", "source", "value_type", "window", "trigger", "accumulation", "aggregation",
-                 "allowed_lateness", "batch_interval", "watermark", "dedup", "demo", "computation")
+                 "allowed_lateness", "batch_interval", "watermark", "dedup", "demo", "computation", "freshness")
+#: ``freshness``: watermark_lag = a batch's processing time - its watermark; last_batch = a batch's processing
+#: time - the previous batch's (and, in Airflow, how long after an interval's start its batch may still be missing)
+FRESHNESS_KEYS = ("watermark_lag", "last_batch")
 BLOCK_KEYS = {"source": ("prefix", "pipeline", "pipelines", "stream", "key", "event_time", *LISTING_KEYS),
-              "dedup": ("horizon",)}
+              "dedup": ("horizon",), "freshness": FRESHNESS_KEYS}
 WATERMARK_KEYS = {"processing_time": ("lag",), "bounded_out_of_orderness": ("bound",), "injector": ("bound",),
                   "percentile": ("percentile", "fallback_lag"), "explicit": ("values",), "perfect": ()}
+#: ``retention``: a pipeline that needs a longer history than the deployment's (time travel, reprocess, stages)
+PIPELINE_KEYS += ("retention",)
 
 
 def _unknown(where: str, key: str, known: tuple[str, ...]) -> ValueError:
@@ -150,6 +166,37 @@ def check_dedup_horizon(doc: dict[str, Any], window: dict[str, Any], allowed_lat
         "or leave it out (the default is that minimum)")
 
 
+def parse_freshness(block: dict[str, Any] | None, batch_interval: int | None = None) -> dict[str, int]:
+    """``freshness: {watermark_lag: 30m, last_batch: 15m}`` (both optional) as positive microseconds; with
+    ``batch_interval``, a last_batch that every batch would exceed is refused."""
+    out = {}
+    for key, value in (block or {}).items():
+        try:
+            us = None if isinstance(value, bool) else parse_duration(value)
+        except ValueError:
+            us = None
+        if us is None or us <= 0:
+            raise ValueError(f"freshness.{key}: expected a positive duration such as 30m, got {value!r}")
+        out[str(key)] = us
+    if batch_interval is not None and out.get("last_batch", batch_interval + 1) <= batch_interval:
+        raise ValueError(f"freshness.last_batch {_duration_text(out['last_batch'])} must be longer than batch_interval "
+                         f"{_duration_text(batch_interval)}: batches come one batch_interval apart at best")
+    return out
+
+
+def parse_retention(value: Any) -> int | None:
+    """``retention: 30d`` as positive microseconds (None: not given)."""
+    if value is None:
+        return None
+    try:
+        us = None if isinstance(value, bool) else parse_duration(value)
+    except (ValueError, TypeError):
+        us = None
+    if us is None or us <= 0:
+        raise ValueError(f"retention: expected a duration longer than zero such as 30d, got {value!r}")
+    return us
+
+
 def pipeline_from_dict(doc: dict[str, Any]) -> PipelineSpec:
     """Validate a config mapping: every mistake is reported by name, before anything runs."""
     check_keys(doc)
@@ -193,4 +240,6 @@ def pipeline_from_dict(doc: dict[str, Any]) -> PipelineSpec:
     spec.strategy()  # parse window, trigger, accumulation and aggregation now
     _ = spec.watermark_policy  # and the watermark policy
     check_dedup_horizon(doc, spec.window, spec.allowed_lateness)
+    parse_freshness(doc.get("freshness"), spec.batch_interval)
+    parse_retention(doc.get("retention"))
     return spec

@@ -5,7 +5,9 @@ process groups, each with a PID file under ``<home>/run`` and a log under ``<hom
 exactly like the object store: only what this module started is ever signalled.
 
 Everything Airflow needs is passed through the environment (no ``airflow.cfg`` edits), so the same
-code runs against SQLite (default) or Postgres (``MILLPOND_AIRFLOW_DB_URL``).
+code runs against SQLite (default: a file under ``<home>/airflow``) or PostgreSQL (``airflow.db_url``,
+``MILLPOND_AIRFLOW_DB_URL``: ``postgresql+psycopg2://...``). What only SQLite needs (its file, restarting a
+scheduler that exited on one of its lock races) is done for SQLite only.
 """
 
 from __future__ import annotations
@@ -61,12 +63,81 @@ def airflow_config(settings: Settings) -> AirflowConfig:
     )
 
 
+#: the form of ``airflow.db_url`` for PostgreSQL (Airflow derives its async engine's ``postgresql+asyncpg`` from it)
+DB_URL_FORM = "postgresql+psycopg2://USER:PASSWORD@HOST:5432/DATABASE"
+DB_URL_SETTING = "airflow.db_url (MILLPOND_AIRFLOW_DB_URL)"
+
+
+def is_sqlite(db_url: str | None) -> bool:
+    """Whether Airflow's metadata database is SQLite: no URL (the embedded default) or a ``sqlite:`` one."""
+    return not db_url or db_url.split(":", 1)[0].split("+", 1)[0].strip().lower() == "sqlite"
+
+
+def shown_url(db_url: str) -> str:
+    """A database URL for messages: its password hidden."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(db_url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a URL at all: name its scheme only
+        return db_url.split("://", 1)[0] + "://..."
+
+
+def check_database(db_url: str, timeout: float = 10.0) -> None:
+    """Connect once to a server database before ``airflow db migrate`` would fail on it into a log: a URL that is
+    not one, a driver that is not installed, or a server that does not answer ends in one line saying what to do.
+    SQLite needs no check (Airflow creates the file)."""
+    if is_sqlite(db_url):
+        return
+    import importlib.util
+
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+    from sqlalchemy.pool import NullPool
+
+    try:
+        url = make_url(db_url)
+    except ArgumentError:
+        raise MillpondError(f"{DB_URL_SETTING} is not a database URL: write it as {DB_URL_FORM}") from None
+    shown = url.render_as_string(hide_password=True)
+    backend = url.get_backend_name()
+    connect_args = {"connect_timeout": max(1, int(timeout))} if backend in ("postgresql", "mysql") else {}
+    try:
+        engine = create_engine(url, poolclass=NullPool, connect_args=connect_args)
+    except NoSuchModuleError:
+        raise MillpondError(f"{DB_URL_SETTING} = {shown}: SQLAlchemy knows no database {url.drivername!r}: "
+                            f"write it as {DB_URL_FORM}") from None
+    except ImportError as exc:
+        driver = exc.name or url.drivername
+        raise PrerequisiteMissing(f"{DB_URL_SETTING} = {shown} needs the Python driver {driver}, which is not "
+                                  f"installed: install it into .venv, or use PostgreSQL through {DB_URL_FORM} "
+                                  "(`make venv` installs its driver)") from None
+    if backend == "postgresql" and importlib.util.find_spec("asyncpg") is None:
+        raise PrerequisiteMissing("Airflow's async engine for PostgreSQL needs asyncpg, which is not installed: "
+                                  "run `make venv`")
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except SQLAlchemyError as exc:
+        reason = " ".join(str(getattr(exc, "orig", None) or exc).strip().splitlines()[0].split()) or type(exc).__name__
+        raise MillpondError(f"Airflow's database at {shown} did not answer ({reason}): start it, create the database "
+                            f"and its user there, or point {DB_URL_SETTING} at one that runs") from None
+    finally:
+        engine.dispose()
+
+
 def _flag(value: object) -> bool:
     return str(value).strip().lower() not in ("0", "false", "no", "off")
 
 
 def airflow_home(settings: Settings) -> Path:
     return settings.home / "airflow"
+
+
+def sqlite_url(settings: Settings) -> str:
+    """The embedded stack's metadata database: a SQLite file in its Airflow home."""
+    return f"sqlite:///{airflow_home(settings) / 'airflow.db'}"
 
 
 def airflow_binary() -> list[str]:
@@ -137,7 +208,7 @@ def airflow_env(
     home = airflow_home(settings)
     sec = _secrets(settings)
     admin_password(settings)
-    db_url = cfg.db_url or f"sqlite:///{home / 'airflow.db'}"
+    db_url = cfg.db_url or sqlite_url(settings)
     url = f"http://127.0.0.1:{cfg.port}"
     env.update({
         "AIRFLOW_HOME": str(home),
@@ -181,6 +252,10 @@ def airflow_env(
     # Airflow runs pipelines' tasks: they import millpond from the repository even without `pip install -e`.
     jobs = str(PROJECT_ROOT / "jobs")
     env["PYTHONPATH"] = jobs + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # lineage.url: the OpenLineage provider's transport (none: the provider stays off, or uses its own config)
+    from millpond.orchestration.lineage import airflow_env as lineage_env
+
+    env.update(lineage_env(settings))
     return env
 
 
@@ -212,6 +287,24 @@ class AirflowStack:
     def admin_password(self) -> str:
         return admin_password(self.settings)
 
+    @property
+    def db_url(self) -> str:
+        """The metadata database the components use: a running stack's (kept with its environment), else this
+        configuration's."""
+        kept = self.home / "stack-env.json"
+        if kept.exists() and any(self.pids().values()):
+            try:
+                return json.loads(kept.read_text())["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+            except (ValueError, KeyError):
+                pass
+        return self.cfg.db_url or sqlite_url(self.settings)
+
+    @property
+    def database(self) -> str:
+        """The metadata database, for messages: SQLite's file, or the server's URL without its password."""
+        url = self.db_url
+        return f"SQLite {url.split(':///', 1)[-1]}" if is_sqlite(url) else shown_url(url)
+
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, timeout: float | None = None) -> bool:
         """Start the components that are not running (idempotent); wait until healthy. True if any started."""
@@ -228,6 +321,7 @@ class AirflowStack:
         self.home.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = self._environment(fresh=len(missing) == len(COMPONENTS))
+        check_database(env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"])  # a server database: reachable, or one line
         migrate = subprocess.run(airflow_binary() + ["db", "migrate"], env=env, capture_output=True, text=True,
                                  stdin=subprocess.DEVNULL, timeout=300)
         if migrate.returncode != 0:
@@ -275,13 +369,17 @@ class AirflowStack:
 
     def revive(self) -> list[str]:
         """Restart the components that died while the others still run; the restarted ones (none when
-        the whole stack is down: that is `make up`'s job). Airflow expects a supervisor to do this: its
+        the whole stack is down: that is `make up`'s job). Airflow expects a supervisor to do this: on SQLite its
         scheduler exits on some database races (e.g. a run deleted under it by `dag.test` on the same
-        database) and adopts the orphaned tasks when it comes back."""
+        database) and adopts the orphaned tasks when it comes back. On PostgreSQL there are no such races:
+        a dead component is a fault to read about, not to paper over, so it is reported, not restarted."""
         pids = self.pids()
         dead = [c for c, pid in pids.items() if pid is None]
         if not dead or len(dead) == len(pids):
             return []
+        if not is_sqlite(self.db_url):
+            raise MillpondError(f"Airflow {' and '.join(dead)} stopped while the others run (on {self.database}, "
+                                f"no SQLite race): see {self.logfile(dead[0])}, then run `make up` to start it again")
         self.start()
         return dead
 
@@ -323,7 +421,8 @@ class AirflowStack:
         parts = ", ".join(f"{c} {'pid ' + str(p) if p else 'STOPPED'}" for c, p in pids.items())
         state = "running" if all(pids.values()) else "partly running (run `make up` to restart the rest)"
         where = passwords_file(self.settings)
-        return [f"airflow: {state} at {self.url} ({parts}); user {ADMIN_USER}, password in {where}"]
+        return [f"airflow: {state} at {self.url} ({parts}); user {ADMIN_USER}, password in {where}; "
+                f"metadata database {self.database}"]
 
     # -- REST ------------------------------------------------------------------------------------
     def _http(self, method: str, path: str, body: Any = None, token: str | None = None,

@@ -25,7 +25,7 @@ sends what this one missed.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,8 @@ class PipelineInfo:
     has_demo: bool
     #: the pipelines whose panes this one reads (``source: {pipeline: ...}``; ``model.stages``)
     upstreams: tuple[str, ...] = ()
+    #: ``freshness:`` thresholds by check (``watermark_lag``, ``last_batch``; ``quality.freshness``)
+    freshness: dict[str, timedelta] = field(default_factory=dict)
 
     @property
     def dag_id(self) -> str:
@@ -73,8 +75,15 @@ def read_pipeline_info(path: Path) -> PipelineInfo:
         raise ValueError(f"{path.name}: batch_interval must be positive")
     source = doc.get("source") if isinstance(doc.get("source"), dict) else {}
     upstreams = source.get("pipelines") or ([source["pipeline"]] if source.get("pipeline") else [])
+    freshness = {}
+    for check, value in (doc.get("freshness") if isinstance(doc.get("freshness"), dict) else {}).items():
+        try:
+            freshness[str(check)] = timedelta(microseconds=parse_duration(value))
+        except (ValueError, TypeError):
+            raise ValueError(f"{path.name}: freshness.{check}: expected a duration such as 30m, got {value!r}"
+                             ) from None
     return PipelineInfo(name, path, interval, str(doc.get("description") or ""), bool(doc.get("demo")),
-                        tuple(str(u) for u in upstreams) if isinstance(upstreams, list) else ())
+                        tuple(str(u) for u in upstreams) if isinstance(upstreams, list) else (), freshness=freshness)
 
 
 def pipelines_dir(settings: Settings) -> Path:
@@ -182,6 +191,7 @@ def quality_summary(report: Any, settings: Settings) -> dict[str, Any]:
         return {"validated": False}
     pages = list(report.pages)[:6]
     return {"validated": True, "ok": report.ok, "warnings": list(report.warnings)[:20],
+            "freshness": list(getattr(report, "freshness", None) or []),
             "summary": report.summary(), "results": pages,
             "published": f"s3://{settings.bucket_reports}/data_docs/index.html"}
 
@@ -226,6 +236,66 @@ def log_quality(name: str, summary: dict[str, Any]) -> None:
         log.warning("quality warning: %s", line)
 
 
+def alert_freshness(name: str, summary: dict[str, Any], run: Any, settings: Settings) -> int:
+    """The batch's freshness breaches (``freshness:``; its Data Docs and ``millpond history`` show them) to the
+    deployment's hook, each in one log line (``quality.freshness.alert``); a backfill's batches are history: no
+    alert. How many were sent."""
+    breaches = (summary.get("quality") or {}).get("freshness") or []
+    if not breaches or "backfill" in str(getattr(run, "run_type", "") or "").lower():
+        return 0
+    from millpond.quality.freshness import alert
+
+    detail = {"batch": summary.get("batch"), "processing_time": summary.get("processing_time"),
+              "watermark": summary.get("watermark"), "run_id": getattr(run, "run_id", None)}
+    for breach in breaches:
+        alert(settings, name, breach["check"], breach["message"], detail)
+    return len(breaches)
+
+
+def freshness_deadline(info: PipelineInfo):
+    """Airflow's deadline alert for ``freshness.last_batch`` (None without one): a run whose batch has not
+    committed by its interval's start (its logical date; the previous batch's processing time) plus last_batch
+    means the pipeline has had no batch for that long, whatever the cause (runs queued behind a stuck one,
+    failing, too slow). A run that succeeds in time has its deadline dropped by Airflow; manual and asset-triggered
+    runs have no logical date, hence no deadline. The callback (:func:`freshness_missed`) runs on the executor."""
+    last_batch = info.freshness.get("last_batch")
+    if last_batch is None:
+        return None
+    from airflow.sdk import DeadlineAlert, DeadlineReference, SyncCallback
+
+    return DeadlineAlert(
+        reference=DeadlineReference.DAGRUN_LOGICAL_DATE, interval=last_batch, name="freshness.last_batch",
+        callback=SyncCallback(freshness_missed, kwargs={"pipeline": info.name, "last_batch": _duration(last_batch)}))
+
+
+def _duration(value: timedelta) -> str:
+    """``15m``, ``2h``, ``90s``: a duration as a pipeline file writes it."""
+    seconds = int(value.total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds and seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def freshness_missed(pipeline: str, last_batch: str, context: dict[str, Any] | None = None) -> None:
+    """The deadline callback: one log line, then the deployment's hook (``quality.freshness_hook``), unless the
+    run belongs to a backfill (whose past intervals are all "late": their batches are history). ``context`` is
+    what Airflow passes a deadline callback (``dag_run``: the run as its REST API shows it; ``deadline``)."""
+    run = (context or {}).get("dag_run") or {}
+    if "backfill" in str(run.get("run_type") or "").lower():
+        log.info("%s: backfill run %s missed its freshness deadline: no alert (a backfill's batches are history)",
+                 pipeline, run.get("dag_run_id"))
+        return
+    deadline = ((context or {}).get("deadline") or {}).get("deadline_time")
+    message = (f"{pipeline}: no batch since {run.get('data_interval_start')}: the batch at "
+               f"{run.get('data_interval_end')} has not committed within freshness.last_batch {last_batch} "
+               f"(deadline {deadline}; run {run.get('dag_run_id')} is {run.get('state')})")
+    from millpond.quality.freshness import alert
+
+    alert(load_settings(), pipeline, "last_batch", message,
+          {"dag_run": run, "deadline": None if deadline is None else str(deadline)}, strict=True)
+
+
 def run_microbatch(info: PipelineInfo, context: dict[str, Any], assets: list[Any]) -> dict[str, Any]:
     """What the DAG's task does, in order: skip a live run while live runs are off; the window (an
     asset-triggered stage run takes its upstream batch's time); dry run: log and stop; land demo events when
@@ -256,6 +326,7 @@ def run_microbatch(info: PipelineInfo, context: dict[str, Any], assets: list[Any
         summary["data_docs"] = publish_docs(s)
     if quality.get("validated"):
         log_quality(name, summary)
+        alert_freshness(name, summary, run, s)
     if progress := summary.get("backfill"):
         log.info("backfill progress for %s: %d/%d batches done", name, progress["done"], progress["total"])
     return {"pipeline": name, **summary}
@@ -289,12 +360,16 @@ def _batch(info: PipelineInfo, s: Settings, context: dict[str, Any], start: date
     watermark = None
     if params.get("watermark_lag_override"):
         watermark = end - timedelta(microseconds=parse_duration(params["watermark_lag_override"]))
-    spark = None
-    if s.engine == "spark":  # a Connect client of the stack's warm Spark: no JVM in this process
-        from millpond.runtime.spark_client import connect
-
-        spark = connect(s)
+    from millpond.runtime.engines import choose
     from millpond.runtime.job import run_batch
+
+    # the deployment's engine, or one a backfill forced (``--engine``, in the run's conf); with spark, a Connect
+    # client of the stack's warm Spark: no JVM in this process
+    s, spark = choose(s, conf.get("engine"))
+    if spark is not None:  # OpenLineage (when on): this task's run as the parent of the Spark job's events
+        from millpond.orchestration.lineage import tag_spark
+
+        tag_spark(spark, context)
 
     # Great Expectations runs inside the batch, before its commits: a critical failure fails this task with
     # nothing committed. The lease's owner is this DAG run: a retry of it (a new process) takes the lease back
@@ -325,7 +400,9 @@ def _batch(info: PipelineInfo, s: Settings, context: dict[str, Any], start: date
 # ------------------------------------------------------------------------------------------------
 def build_dag(info: PipelineInfo, settings: Settings):
     """The DAG of one pipeline."""
-    from airflow.sdk import DAG, Asset, AssetAny, AssetOrTimeSchedule, Param, task
+    from airflow.sdk import DAG, Asset, AssetAny, AssetOrTimeSchedule, Param
+
+    from millpond.orchestration import lineage
 
     assets = [Asset(f"s3://{settings.bucket_lake}/{settings.table_root}/{info.name}/{t}") for t in TABLE_ASSETS]
     # A stage reads its upstreams' panes: an upstream batch that committed (its run updates the panes
@@ -352,6 +429,7 @@ def build_dag(info: PipelineInfo, settings: Settings):
         max_active_tasks=4,
         is_paused_upon_creation=settings.airflow_paused_at_creation,
         tags=["millpond"],
+        deadline=freshness_deadline(info),  # freshness.last_batch: batches that stop arriving (None: none)
         default_args={
             "owner": "millpond",
             "retries": 2,
@@ -375,7 +453,9 @@ def build_dag(info: PipelineInfo, settings: Settings):
         },
     ) as dag:
 
-        @task(task_id=TASK_ID, inlets=inlets, outlets=assets)
+        # its operator also answers the OpenLineage provider: the datasets read and written, the batch's facts
+        @lineage.microbatch_task(task_id=TASK_ID, inlets=inlets, outlets=assets,
+                                 lineage=lineage.datasets(info, settings))
         def microbatch(**context: Any) -> dict[str, Any]:
             """The run's micro-batch, whole: demo landing when asked, the batch with its validation, the
             Data Docs of what changed, the table Assets' events (see ``run_microbatch``)."""

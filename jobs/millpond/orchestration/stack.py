@@ -24,7 +24,7 @@ def up(settings: Settings) -> None:
         stack = AirflowStack(settings)
         started = stack.start()
         print(f"airflow {'started' if started else 'already running'}: {stack.url} "
-              f"(user admin, password {stack.admin_password()})")
+              f"(user admin, password {stack.admin_password()}; metadata database {stack.database})")
 
 
 def down(settings: Settings) -> None:

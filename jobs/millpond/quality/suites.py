@@ -31,7 +31,10 @@ STATE = "millpond_state"
 #: a MillWheel computation's output stream ``S`` is validated by the suite ``millpond_stream_S`` when one exists
 STREAM_PREFIX = "millpond_stream_"
 ANOMALIES = STREAM_PREFIX + "anomalies"  # Zeitgeist's (millpond.examples.zeitgeist)
-SUITES = (RAW, PANES, STATE, ANOMALIES)
+#: a batch's freshness against its pipeline's ``freshness:`` thresholds (one row: ``quality.freshness``)
+FRESHNESS = "millpond_freshness"
+SUITES = (RAW, PANES, STATE, ANOMALIES, FRESHNESS)
+FRESHNESS_COLUMNS = ["batch", "processing_time", "watermark", "watermark_lag_s", "since_last_batch_s"]
 ANOMALY_COLUMNS = ["key", "second", "kind", "count", "expected", "batch"]
 
 RAW_COLUMNS = ["id", "key", "value", "event_time"]
@@ -133,7 +136,17 @@ def suite_definitions() -> dict[str, list[dict[str, Any]]]:
         _e("expect_column_values_to_be_between", WARNING, "the model's expected rate", column="expected",
            min_value=0.0),
     ]
-    return {RAW: raw, PANES: panes, STATE: state, ANOMALIES: anomalies}
+    freshness = [
+        _e("expect_table_columns_to_match_set", CRITICAL, "freshness row contract", column_set=FRESHNESS_COLUMNS,
+           exact_match=False),
+        _e("expect_column_values_to_be_between", WARNING,
+           "freshness.watermark_lag: the batch's processing time minus its watermark, in seconds (null: not "
+           "declared)", column="watermark_lag_s", max_value={"$PARAMETER": "max_watermark_lag_s"}),
+        _e("expect_column_values_to_be_between", WARNING,
+           "freshness.last_batch: the batch's processing time minus the previous batch's, in seconds (null: not "
+           "declared, or the first batch)", column="since_last_batch_s", max_value={"$PARAMETER": "max_last_batch_s"}),
+    ]
+    return {RAW: raw, PANES: panes, STATE: state, ANOMALIES: anomalies, FRESHNESS: freshness}
 
 
 # -- pandas checks ---------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ Why this shape:
   the few writes (set-up, pruning, index builds) between processes sharing ``settings.home``.
 - Severity lives in each expectation's ``meta`` (and GX's own ``severity`` field): a critical
   failure makes ``QualityReport.ok`` false, a warning is only reported.
+- Freshness (``freshness:`` in a pipeline file) is a one-row suite of warnings, ``millpond_freshness``
+  (:mod:`millpond.quality.freshness`): validated with pandas whatever the batch's engine (it is one row).
 - History is bounded: only the last ``keep`` validation results per suite are kept
   (``MILLPOND_DQ_KEEP_RESULTS``, default 100), so Data Docs builds do not slow down as batches pile up.
 """
@@ -46,6 +48,7 @@ from millpond.quality.context import (
     validation_page_path,
     validation_result_path,
 )
+from millpond.quality.freshness import BatchFreshness
 from millpond.quality.gx_spark import resolved_on_spark
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,8 @@ class QualityReport:
     pages: list[str] = field(default_factory=list)
     suites: dict[str, bool] = field(default_factory=dict)  # suite -> GX success (all expectations met)
     seconds: float = 0.0
+    #: the freshness thresholds the batch exceeded (``{"check", "message"}``; also among ``warnings``)
+    freshness: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -117,6 +122,7 @@ def validate_batch(
     future_tolerance: timedelta = DEFAULT_FUTURE_TOLERANCE,
     render: bool = True,
     retractions: bool = True,
+    freshness: BatchFreshness | None = None,
 ) -> QualityReport:
     """Validate what one batch read, emitted and left as state; never raises on bad data.
 
@@ -128,6 +134,7 @@ def validate_batch(
     which also renders the pages of results that have none); a failed check's pages are rendered anyway,
     so its error can point at one. ``retractions=False`` tells that ``panes`` holds no retraction (a Spark
     batch knows it from a query it runs anyway), which spares the Spark engine the retraction check's sort.
+    ``freshness``: the batch's freshness against its pipeline's thresholds, checked by the freshness suite.
     """
     start = time.perf_counter()  # includes the one-time GX import and set-up: the first batch pays it
     report = QualityReport(pipeline, batch)
@@ -138,6 +145,7 @@ def validate_batch(
     try:
         with _LOCK:
             _run(settings, pipeline, batch, engine, frames, params, report, render)
+            _run_freshness(settings, pipeline, batch, freshness, report, render)
     finally:
         if engine == SPARK:
             for df in frames.values():
@@ -149,19 +157,32 @@ def validate_batch(
 
 
 def validate_streams(settings: Settings, pipeline: str, batch: int, streams: dict[str, Any],
-                     render: bool = True) -> QualityReport:
+                     render: bool = True, freshness: BatchFreshness | None = None) -> QualityReport:
     """Validate what a MillWheel computation's batch produces (pandas frames by stream name) with the
-    committed suite of each stream that has one (``millpond_stream_<stream>``); never raises on bad data."""
+    committed suite of each stream that has one (``millpond_stream_<stream>``), and its ``freshness``; never
+    raises on bad data."""
     start = time.perf_counter()
     report = QualityReport(pipeline, batch)
     frames = {qs.STREAM_PREFIX + name: df for name, df in sorted(streams.items())
               if qs.STREAM_PREFIX + name in qs.SUITES}
-    if frames:
+    if frames or freshness is not None:
         with _LOCK:
-            _run(settings, pipeline, batch, PANDAS, frames, {}, report, render)
+            if frames:
+                _run(settings, pipeline, batch, PANDAS, frames, {}, report, render)
+            _run_freshness(settings, pipeline, batch, freshness, report, render)
     report.seconds = time.perf_counter() - start
     (log.warning if not report.ok else log.info)(report.summary())
     return report
+
+
+def _run_freshness(settings: Settings, pipeline: str, batch: int, freshness: BatchFreshness | None,
+                   report: QualityReport, render: bool) -> None:
+    """The freshness suite on the batch's one row (pandas, whatever the batch's engine); its breaches noted."""
+    if freshness is None or not freshness.limits:
+        return
+    _run(settings, pipeline, batch, PANDAS, {qs.FRESHNESS: freshness.frame()}, freshness.params(), report, render)
+    if not report.suites.get(qs.FRESHNESS, True):
+        report.freshness = freshness.breaches()
 
 
 def _engine(*frames: Any) -> str:

@@ -103,7 +103,7 @@ class ComputationBatch(MicroBatch):
         t.lap("computation")
         produced = self._productions(batch, outcomes)
         if self.validate:
-            validate_streams(self, batch, produced)
+            validate_streams(self, batch, produced, clock)
             t.lap("validation")
         self._commit_outcomes(batch, txn, clock, outcomes, produced, versions.get("watermarks"))
         t.lap("commit_state")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from millpond.config import Settings
-from millpond.errors import PipelineChanged
+from millpond.errors import MillpondError, PipelineChanged
 from millpond.lake.delta_options import Txn, fence_app
 from millpond.lake.lease import Lease
 from millpond.lake.schemas import BATCHES_SCHEMA
@@ -32,6 +32,7 @@ from millpond.model.timeutil import iso, to_us
 from millpond.model.versions import changes
 from millpond.runtime.catchup import record
 from millpond.runtime.steps.versions import spec_record
+from millpond.runtime.upkeep import beyond_retention
 
 #: how long a rewind holds the lease (released when it ends; only a rewind cut off half-way keeps it)
 HOLD_S = 7 * 86400
@@ -74,7 +75,8 @@ class Rewind:
 
 def plan(tables: Tables, spec: PipelineSpec, start: int) -> Rewind:
     """The rewind for a reprocess from ``start`` (µs): back to the last batch whose processing time is at or
-    before it. A spec that would reinterpret that batch's state is refused: reprocess from the start then."""
+    before it. A spec that would reinterpret that batch's state is refused: reprocess from the start then. So is
+    a table version to restore that is beyond the pipeline's retention (its files may have been vacuumed)."""
     done = tables.read_whole(spec.name, "batches", BATCHES_SCHEMA).sort_by("batch")
     if not done.num_rows:  # nothing committed: nothing to rewind
         return Rewind(spec.name, None, None, 0, 0)
@@ -92,8 +94,19 @@ def plan(tables: Tables, spec: PipelineSpec, start: int) -> Rewind:
                 f"reprocess from the start (--from {first}) to recompute everything under the new spec")
     names = [n for n in json.loads(last["versions"] or "{}") if n not in LAST] + list(LAST)
     kept = json.loads(to["versions"] or "{}") if to else {}
-    return Rewind(spec.name, to["batch"] if to else None, to_us(to["processing_time"]) if to else None,
-                  last["batch"], to_us(last["processing_time"]), {n: kept.get(n) for n in names})
+    r = Rewind(spec.name, to["batch"] if to else None, to_us(to["processing_time"]) if to else None,
+               last["batch"], to_us(last["processing_time"]), {n: kept.get(n) for n in names})
+    if not r.noop:
+        for table, version in r.targets.items():  # (``batches`` keeps its rows up to the batch: not restored)
+            why = "" if version is None or table == "batches" else beyond_retention(tables, spec.name, table, version,
+                                                                                    spec)
+            if why:
+                first = iso(to_us(rows[0]["processing_time"]) - spec.batch_interval)
+                raise MillpondError(
+                    f"{spec.name}: a reprocess from {iso(start)} restores the tables as batch {r.to_batch} left them, "
+                    f"but {why}: reprocess from a later time, or from the start (--from {first}) to recompute "
+                    "everything from the landing files; nothing was rewound")
+    return r
 
 
 def run(settings: Settings, tables: Tables, spec: PipelineSpec, start: int, by: str) -> Rewind:

@@ -71,6 +71,18 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+#: what a command adds when the Connect endpoint of engine spark does not answer (``engines.spark_for``)
+LOCAL_HINT = "or run in-process with --engine local"
+
+
+def engine_option(p: argparse.ArgumentParser, runs: str = "the batches") -> None:
+    """``--engine local|spark``: the one way a command overrides the deployment's ``engine.name``
+    (``runtime.engines.choose``)."""
+    p.add_argument("--engine", choices=["local", "spark"],
+                   help=f"run {runs} in-process (local) or on the deployment's Spark Connect server (spark); "
+                   "default: the deployment's engine.name")
+
+
 def _load_plugins() -> None:
     # Subcommands that live beside the concepts they drive.
     for module in ("run", "replay", "query", "report", "operations", "inputs"):

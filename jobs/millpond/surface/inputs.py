@@ -2,8 +2,9 @@
 
 ``millpond quarantine-file P FILE`` holds a file: the next batch of P (or the rerun of the batch that keeps
 failing on it) quarantines it whole instead of reading it, and its plan records the hold. ``millpond
-history P`` lists P's batches with their counts and spec changes, then every file not read as input: skipped (not a
-landing file), held by an operator, or quarantined whole (unreadable), each with its batch and reason.
+history P`` lists P's batches with their counts, spec changes and freshness breaches, then every file not read
+as input: skipped (not a landing file), held by an operator, or quarantined whole (unreadable), each with its
+batch and reason.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from millpond.lake.objectstore import ObjectStore
 from millpond.lake.schemas import BATCHES_SCHEMA, OPERATIONS_SCHEMA, PLAN_SCHEMA, QUARANTINE_SCHEMA
 from millpond.lake.tables import Tables
 from millpond.model.versions import changes
+from millpond.quality.freshness import declared, history_markers
 from millpond.runtime import rewind
 from millpond.runtime.steps.plan import plan_of, plan_row, taken_files
 from millpond.surface.cli import command
@@ -72,14 +74,20 @@ def _refuse_if_committing(settings: Settings, tables: Tables, pipeline: str, bat
                                 "rerun must read the same files; rerun it as it is")
 
 
-def history(settings: Settings, pipeline: str) -> tuple[pa.Table, pa.Table]:
-    """(the batches with their counts, the files not read as input with batch and reason)."""
+def history(settings: Settings, pipeline: str, freshness: dict[str, int] | None = None) -> tuple[pa.Table, pa.Table]:
+    """(the batches with their counts, the files not read as input with batch and reason). A pipeline that
+    declares ``freshness`` (``freshness``: its thresholds in microseconds; default: its file's in the conf dir)
+    gets a ``freshness`` column: per batch, the thresholds it exceeded ('' when fresh)."""
     tables = Tables(settings)
     done = tables.read_whole(pipeline, "batches", BATCHES_SCHEMA).sort_by("batch")
     batches = pa.table({c: done.column(c) if c in done.column_names else pa.nulls(done.num_rows, pa.int64())
                         for c in HISTORY_COLUMNS})
     specs = done.column("spec").to_pylist() if "spec" in done.column_names else [None] * done.num_rows
     batches = batches.append_column("spec_change", pa.array(spec_changes(specs), pa.string()))
+    limits = declared(settings, pipeline) if freshness is None else freshness
+    if limits:
+        rows = done.select(["batch", "processing_time", "watermark"]).to_pylist()
+        batches = batches.append_column("freshness", pa.array(history_markers(pipeline, rows, limits), pa.string()))
     log = tables.read_whole(pipeline, "ingest_log", PLAN_SCHEMA)
     committed = set(done.column("batch").to_pylist())
     found: dict[tuple[int, str], dict[str, Any]] = {}  # a hold is in its request row and in the plan

@@ -13,7 +13,7 @@ from millpond.orchestration.airflow_stack import ADMIN_USER, AirflowStack
 from millpond.orchestration.backfill import Backfill, parse_time
 from millpond.quality.context import site_dir
 from millpond.quality.datadocs import PUBLISH_PREFIX, build_data_docs, publish_data_docs, serve
-from millpond.surface.cli import command
+from millpond.surface.cli import command, engine_option
 
 
 @command("airflow", "the local Airflow deployment: start | stop | status | password",
@@ -46,6 +46,7 @@ def _configure_backfill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="land the pipeline's demo events for each interval first")
     p.add_argument("--no-wait", action="store_true", help="return once the backfill is created")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the runs (default 3600)")
+    engine_option(p, "the runs' batches (passed in their conf)")
 
 
 @command("backfill", "re-run a pipeline's micro-batches for past intervals through Airflow", _configure_backfill)
@@ -53,7 +54,8 @@ def _backfill(args: argparse.Namespace) -> int:
     if not args.pipeline or not args.start or not args.end:
         raise MillpondError("usage: make backfill PIPELINE=<name> FROM=<ISO time> TO=<ISO time>")
     settings = load_settings()
-    conf = {"demo": True} if args.demo else None
+    # the runs' tasks choose their engine (``runtime.engines.choose``): the deployment's, or the one forced here
+    conf = ({"demo": True} if args.demo else {}) | ({"engine": args.engine} if args.engine else {}) or None
     Backfill(settings, args.pipeline, parse_time(args.start), parse_time(args.end), args.reprocess, conf=conf).run(
         wait=not args.no_wait, timeout=args.timeout)
     return 0
@@ -100,4 +102,5 @@ def _reset(args: argparse.Namespace) -> int:
             return 1
     n = drop_pipeline(settings, args.pipeline)
     print(f"{args.pipeline}: dropped {len(have)} tables ({n} objects); its next batch starts from scratch")
+    print(f"{args.pipeline}: readers of its panes' change feed start over from version 0 (its history is gone)")
     return 0

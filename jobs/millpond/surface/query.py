@@ -171,15 +171,39 @@ def run_query(settings: Settings, sql: str, as_of: str | int | None = None) -> p
     committed = {p: committed_versions(tables, p)
                  for p in sorted({r.pipeline for r in refs if r.version is None and r.timestamp is None})}
     snapshots, empty = {}, set()
-    for ref in refs:
-        if ref.version is None and ref.timestamp is None:
-            snapshots[ref.sql_name], uncommitted = open_committed(tables, ref.pipeline, ref.name,
-                                                                  committed[ref.pipeline], ref.label)
-            if uncommitted:
-                empty.add(ref.sql_name)
-        else:
-            snapshots[ref.sql_name] = open_ref(tables, ref)
-    return _plain(execute_sql(snapshots, text, empty))
+    try:
+        for ref in refs:
+            if ref.version is None and ref.timestamp is None:
+                snapshots[ref.sql_name], uncommitted = open_committed(tables, ref.pipeline, ref.name,
+                                                                      committed[ref.pipeline], ref.label)
+                if uncommitted:
+                    empty.add(ref.sql_name)
+            else:
+                snapshots[ref.sql_name] = open_ref(tables, ref)
+        return _plain(execute_sql(snapshots, text, empty))
+    except MillpondError as exc:  # time travel past the retention: one line naming the setting
+        gone = re.search(r"not found|no files in log segment|did not exist yet|invalid table version|unknown table",
+                         str(exc), re.I)
+        why = next(filter(None, (_beyond_retention(tables, r) for r in refs)), "") if gone else ""
+        if why:
+            raise MillpondError(why) from exc
+        raise
+
+
+def _beyond_retention(tables: Tables, ref: TableRef) -> str:
+    """Why a time-travel reference may no longer be readable ('' while it is within retention)."""
+    from millpond.runtime.upkeep import RETENTION_SETTING, beyond_retention, retained_s, span_text
+
+    if ref.version is not None:
+        why = beyond_retention(tables, ref.pipeline, ref.name, ref.version)
+        return f"{why}: its files may have been vacuumed, its log expired; ask for a later version" if why else ""
+    if ref.timestamp is None or not tables.exists(ref.pipeline, ref.name):
+        return ""
+    keep = retained_s(tables, ref.pipeline, ref.name)
+    if to_us(ref.timestamp) / 1_000_000 > datetime.now(UTC).timestamp() - keep:
+        return ""
+    return (f"{ref.label}: that time is older than {ref.pipeline}'s retention of {span_text(keep)} "
+            f"({RETENTION_SETTING}): its files may have been vacuumed, its log expired; ask for a later time")
 
 
 def history(settings: Settings, table: str, limit: int | None = None) -> pa.Table:

@@ -24,8 +24,9 @@ from millpond.lake.objectstore import ObjectStore
 from millpond.lake.tables import Tables
 from millpond.model.spec import PipelineSpec, pipeline_from_dict
 from millpond.model.timeutil import MAX_TS, iso, to_datetime, to_us
+from millpond.runtime.engines import choose
 from millpond.runtime.job import run_batch
-from millpond.surface.cli import command
+from millpond.surface.cli import LOCAL_HINT, command, engine_option
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:
@@ -109,7 +110,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start", help="first batch start (default: first arrival, floored to the interval)")
     p.add_argument("--end", help="process batches until this processing time")
     p.add_argument("--no-flush", action="store_true", help="do not finish with the watermark at +infinity")
-    p.add_argument("--spark", action="store_true", help="run the per-key step on Spark even for tiny batches")
+    engine_option(p)
+    p.add_argument("--spark", action="store_true", help="deprecated: --engine spark")
 
 
 @command("replay", "replay a scenario (events JSONL + pipeline YAML) through the real job; panes as JSONL",
@@ -123,12 +125,17 @@ def _replay_cmd(args: argparse.Namespace) -> int:
         from millpond.errors import MillpondError
 
         raise MillpondError(str(exc)) from exc
-    spark = None
+    forced = args.engine
     if args.spark:
-        from millpond.runtime.spark_session import get_spark
+        print("millpond: replay --spark is deprecated: use --engine spark", file=sys.stderr)
+        if forced == "local":
+            from millpond.errors import MillpondError
 
-        settings = settings.with_overrides(engine="spark", engine_local_below=0)
-        spark = get_spark(settings, "millpond-replay")
+            raise MillpondError("--spark and --engine local contradict each other: give one --engine")
+        forced = "spark"
+    if forced == "spark":  # asked for Spark: every batch runs there, however small (engine.local_below)
+        settings = settings.with_overrides(engine_local_below=0)
+    settings, spark = choose(settings, forced, hint=LOCAL_HINT)
     panes = replay(settings, spec, events, start=to_us(args.start) if args.start else None,
                    end=to_us(args.end) if args.end else None, flush=not args.no_flush, spark=spark,
                    log=lambda s: print(s, file=sys.stderr))

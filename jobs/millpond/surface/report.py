@@ -265,6 +265,9 @@ def render_html(pipeline: str, batches: pd.DataFrame, by_timing: pd.DataFrame, t
         f'<tr><th>{esc(name)}</th><td id="total-{esc(name)}">{t[name]}</td></tr>'
         for name in ("batches", *COUNTS, "panes_early", "panes_on_time", "panes_late", "panes_retractions"))
     lag = "".join(f"<tr><th>watermark lag {k} (s)</th>{_cell(t[f'lag_{k}_s'])}</tr>" for k in ("min", "mean", "max"))
+    if t.get("freshness_watermark_lag_s") is not None:
+        lag += (f"<tr><th>freshness.watermark_lag (s)</th>{_cell(t['freshness_watermark_lag_s'])}</tr>"
+                f"<tr><th>batches beyond it</th>{_cell(t['lag_breaches'])}</tr>")
     phase_rows = "".join(f"<tr><th>phase {esc(k)} (s)</th>{_cell(v)}</tr>" for k, v in t["phases_s"].items())
     head = ["batch", "processing time", "watermark", "lag (s)", *COUNTS, *TIMINGS, "retractions",
             *(c.split(":", 1)[1] + " (s)" for c in phases)]
@@ -303,9 +306,12 @@ figure{{margin:1rem 0}} img{{max-width:100%;border:1px solid #ddd}} .muted{{colo
 
 # -- building --------------------------------------------------------------------------------
 def build(settings: Settings, pipeline: str, *, start: Any = None, end: Any = None, key: str | None = None,
-          out_dir: Path | None = None, upload: bool = True) -> Report:
+          out_dir: Path | None = None, upload: bool = True, freshness: dict[str, int] | None = None) -> Report:
     """Build the report of one pipeline into ``out_dir`` (default ``var/reports/<pipeline>``) and
-    publish it to ``s3://<reports>/reports/<pipeline>/``."""
+    publish it to ``s3://<reports>/reports/<pipeline>/``. ``freshness``: the pipeline's thresholds in
+    microseconds (default: its file's in the conf dir); a declared ``watermark_lag`` is drawn on the lag plot."""
+    from millpond.quality.freshness import declared
+
     batches, panes = load(settings, pipeline, start, end)
     if batches.empty:
         raise MillpondError(f"pipeline {pipeline}: no committed batches in the chosen range")
@@ -315,6 +321,11 @@ def build(settings: Settings, pipeline: str, *, start: Any = None, end: Any = No
         old.unlink()
     by_timing = pane_counts(panes)
     t = totals(batches, panes)
+    limit = (declared(settings, pipeline) if freshness is None else freshness).get("watermark_lag")
+    threshold_s = None if limit is None else limit / 1e6
+    if threshold_s is not None:
+        t["freshness_watermark_lag_s"] = threshold_s
+        t["lag_breaches"] = int((batches["lag_s"].dropna() > threshold_s).sum())
     report = Report(pipeline, folder, totals=t)
     images: list[tuple[str, str]] = []
     key = key or pick_key(panes)
@@ -324,8 +335,9 @@ def build(settings: Settings, pipeline: str, *, start: Any = None, end: Any = No
         report.key = key
         plot_dataflow(folder / "dataflow.png", pipeline, key, batches, panes)
         images.append(("dataflow.png", f"Panes of key {key} in event time vs processing time, with the watermark"))
-    plot_lag(folder / "watermark_lag.png", pipeline, batches)
-    images.append(("watermark_lag.png", "Watermark lag over processing time"))
+    plot_lag(folder / "watermark_lag.png", pipeline, batches, threshold_s)
+    images.append(("watermark_lag.png", "Watermark lag over processing time"
+                   + ("" if threshold_s is None else ", with the pipeline's freshness.watermark_lag")))
     plot_counts(folder / "counts.png", pipeline, batches, by_timing)
     images.append(("counts.png", "Events and panes per batch"))
     if plot_phases(folder / "phases.png", pipeline, batches) is not None:

@@ -156,17 +156,31 @@ def plot_dataflow(path: Path, pipeline: str, key: str, batches: pd.DataFrame, pa
     return path
 
 
-def plot_lag(path: Path, pipeline: str, batches: pd.DataFrame) -> Path:
-    """Watermark lag (processing time - watermark) over processing time."""
+#: the colour of a declared freshness threshold and of the batches beyond it
+THRESHOLD_COLOR = "#d62728"
+
+
+def plot_lag(path: Path, pipeline: str, batches: pd.DataFrame, threshold_s: float | None = None) -> Path:
+    """Watermark lag (processing time - watermark) over processing time; with ``threshold_s`` (the pipeline's
+    ``freshness.watermark_lag``) the threshold as a dashed line, and the batches beyond it marked."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(10, 3.6), dpi=110)
     rows = batches.dropna(subset=["lag_s"])
     ax.plot([_num(p) for p in rows["processing_time_us"]], rows["lag_s"] / 60, marker="o", markersize=3,
-            color="#1f4e9c")
+            color="#1f4e9c", label="watermark lag")
     ax.set_xlabel("processing time (UTC)")
     ax.set_ylabel("watermark lag (min)")
+    if threshold_s is not None:
+        ax.axhline(threshold_s / 60, color=THRESHOLD_COLOR, linestyle="--", linewidth=1.6,
+                   label=f"freshness.watermark_lag ({threshold_s / 60:g} min)")
+        over = rows[rows["lag_s"] > threshold_s]
+        if len(over):
+            ax.scatter([_num(p) for p in over["processing_time_us"]], over["lag_s"] / 60, s=30,
+                       color=THRESHOLD_COLOR, zorder=5, label="beyond the threshold")
+        ax.legend(fontsize=8, loc="upper left")
     if len(rows) and rows["lag_s"].min() >= 0:
-        ax.set_ylim(bottom=0, top=max(rows["lag_s"].max() / 60 * 1.15, 1e-3))
+        top = max(rows["lag_s"].max(), threshold_s or 0) / 60
+        ax.set_ylim(bottom=0, top=max(top * 1.15, 1e-3))
     ax.set_title(f"{pipeline}: how far the watermark trails processing time")
     if len(rows):
         span = (rows["processing_time_us"].max() - rows["processing_time_us"].min()) / 86_400e6

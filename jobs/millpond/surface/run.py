@@ -15,8 +15,9 @@ from millpond.config.pipelines import load_pipelines
 from millpond.examples.demo import land_demo_events
 from millpond.model.spec import PipelineSpec
 from millpond.model.timeutil import to_datetime, to_us
+from millpond.runtime.engines import choose, engine_for
 from millpond.runtime.job import run_batch
-from millpond.surface.cli import command
+from millpond.surface.cli import LOCAL_HINT, command, engine_option
 
 
 def recent_intervals(spec: PipelineSpec, count: int, now: datetime | None = None) -> list[tuple[datetime, datetime]]:
@@ -49,12 +50,13 @@ def last_committed(settings: Settings, spec: PipelineSpec) -> datetime | None:
     return max(times) if times else None
 
 
-def run_via_airflow(settings: Settings, specs: list[PipelineSpec], batches: int) -> None:
+def run_via_airflow(settings: Settings, specs: list[PipelineSpec], batches: int, engine: str | None = None) -> None:
     """Backfill each pipeline's recent intervals as Airflow DAG runs, then let the schedule carry on.
 
     The backfill is created while the DAG is still paused (new DAGs are), then the DAG is unpaused and the
     backfill runs in order; meanwhile the pipeline's live runs leave their files to it (``hold_live_runs``), so
     the scheduler cannot commit the newest interval first. Intervals already committed are not asked for again.
+    ``engine``: a forced engine (``--engine``), passed in the runs' conf (their tasks choose by it).
     """
     from millpond.orchestration.airflow_stack import AirflowStack
     from millpond.orchestration.backfill import Backfill
@@ -69,7 +71,8 @@ def run_via_airflow(settings: Settings, specs: list[PipelineSpec], batches: int)
         if start >= end:
             print(f"{spec.name}: up to date (last batch at {last.isoformat()}); live runs continue in Airflow")
             continue
-        job = Backfill(settings, spec.name, start, end, conf={"demo": True}, stack=stack)
+        job = Backfill(settings, spec.name, start, end, conf={"demo": True} | ({"engine": engine} if engine else {}),
+                       stack=stack)
         job.check_order()
         job.wait_for_dag()
         job.hold_live_runs()  # the live run of the newest interval, due at unpause, waits for the backfill
@@ -93,6 +96,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipelines", help="comma-separated pipeline names (default: all in conf/pipelines)")
     p.add_argument("--batches", type=int, default=6, help="how many recent intervals to run (default 6)")
     p.add_argument("--direct", action="store_true", help="run the batches in this process, not through Airflow")
+    engine_option(p)
 
 
 @command("run", "run the shipped pipelines over recent intervals on demo data", _configure)
@@ -112,14 +116,11 @@ def _run(args: argparse.Namespace) -> int:
 
     stack = AirflowStack(settings)
     via_airflow = not args.direct and stack.running()
-    if via_airflow:
-        run_via_airflow(settings, list(specs.values()), args.batches)
+    if via_airflow:  # the runs' tasks choose their engine (``runtime.engines.choose``), by --engine if given
+        settings = settings.with_overrides(engine=engine_for(settings, args.engine))
+        run_via_airflow(settings, list(specs.values()), args.batches, engine=args.engine)
     else:
-        spark = None
-        if settings.engine == "spark":
-            from millpond.runtime.spark_client import connect
-
-            spark = connect(settings)
+        settings, spark = choose(settings, args.engine, hint=LOCAL_HINT)
         run_direct(settings, list(specs.values()), args.batches, spark=spark)
     print()
     print("Millpond is up.")
@@ -147,6 +148,7 @@ def _configure_batch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--at", required=True, help="the batch's processing time (ISO-8601)")
     p.add_argument("--watermark", help="an explicit watermark for this batch (default: the pipeline's policy)")
     p.add_argument("--validate", action="store_true", help="run the data-quality suites before committing")
+    engine_option(p, "the batch")
 
 
 @command("batch", "run one micro-batch of a pipeline at a processing time (idempotent)", _configure_batch)
@@ -155,7 +157,8 @@ def _batch(args: argparse.Namespace) -> int:
 
     settings = load_settings()
     spec = pipeline_named(settings.conf_dir, args.pipeline)
-    result = run_batch(settings, spec, to_datetime(to_us(args.at)), validate=args.validate,
+    settings, spark = choose(settings, args.engine, hint=LOCAL_HINT)
+    result = run_batch(settings, spec, to_datetime(to_us(args.at)), validate=args.validate, spark=spark,
                        watermark=to_datetime(to_us(args.watermark)) if args.watermark else None)
     print(result.summary())
     return 0

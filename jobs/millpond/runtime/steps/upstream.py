@@ -35,6 +35,7 @@ from millpond.model.panes import pane_schema
 from millpond.model.stages import ALL_KEY, check_upstream
 from millpond.model.timeutil import MIN_TS, to_us
 from millpond.runtime import rewind
+from millpond.runtime.upkeep import beyond_retention
 
 if TYPE_CHECKING:
     from millpond.runtime.context import BatchContext
@@ -104,6 +105,7 @@ def plan_upstreams(job: BatchContext, log: pa.Table, batch: int, marks: dict[str
                 raise MillpondError(f"{job.name}: upstream {name}'s panes are at version {latest}, behind version "
                                     f"{before} this pipeline consumed, with no reprocess in between: {name} was "
                                     f"reset. Reset {job.name} too (`millpond reset {job.name}`), then backfill it")
+        check_history(job, name, before, upto)
         spec = json.loads(mark["spec"]) if mark.get("spec") else {}
         if spec:
             check_upstream(job.name, name, spec, job.spec.value_type)
@@ -115,6 +117,22 @@ def plan_upstreams(job: BatchContext, log: pa.Table, batch: int, marks: dict[str
                                   "accumulation": spec.get("accumulation", was.get("accumulation", "accumulating")),
                                   "epoch": mark["epoch"]}
     return out
+
+
+def check_history(job: BatchContext, name: str, before: int | None, upto: int | None) -> None:
+    """A batch that would read upstream versions beyond the upstream's retention (a stage that lagged longer, a
+    backfill of a stage far in the past) is refused before its plan is written: the files those versions need
+    may have been vacuumed, and the change feed would fail half-way."""
+    if before == upto:
+        return
+    # the oldest content read: ``before``'s (a later version was replaced later), or ``upto``'s when it is older
+    for version in (before, upto) if before is None or upto is None or upto < before else (before,):
+        why = "" if version is None else beyond_retention(job.tables, name, "panes", version)
+        if why:
+            raise MillpondError(
+                f"{job.name}: this batch reads upstream {name}'s panes from version {before} to {upto}, but {why}: "
+                f"reset {job.name} (`millpond reset {job.name}`) and run it from a processing time within that "
+                f"retention (its first batch reads {name}'s panes whole); nothing was written")
 
 
 def input_watermark(plan: dict[str, Any]) -> int:

@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 from millpond.errors import MillpondError
 from millpond.lake.sql import sql_in, sql_ts
 from millpond.model.clock import BatchClock
-from millpond.model.timeutil import to_datetime
+from millpond.model.timeutil import to_datetime, to_us
 from millpond.runtime.assembly import us_column
 
 if TYPE_CHECKING:
@@ -51,8 +51,22 @@ def validate(job: BatchContext, batch: int, clock: BatchClock, accepted: pa.Tabl
         prior = job.tables.select(job.name, "panes", where, schema=pa.schema([("key", pa.string())])).to_pandas()
     report = validate_batch(job.settings, job.name, batch, raw=raw, panes=pane_df, state=state_df,
                             prior_panes=prior, processing_time=to_datetime(clock.processing_time),
-                            window_type=job.spec.window.get("type"), render=job.render_docs)
+                            window_type=job.spec.window.get("type"), render=job.render_docs,
+                            freshness=freshness(job, clock))
     _judge(job, batch, report)
+
+
+def freshness(job: BatchContext, clock: BatchClock):
+    """The batch's freshness against its pipeline's ``freshness:`` thresholds (None when it declares none):
+    its watermark lag, and the time since the previous committed batch's processing time (``job.previous``)."""
+    from millpond.quality.freshness import BatchFreshness
+
+    limits = job.spec.freshness
+    if not limits:
+        return None
+    prev = getattr(job, "previous", None)
+    return BatchFreshness(job.name, clock.batch, clock.processing_time, clock.watermark,
+                          to_us(prev["processing_time"]) if prev else None, limits)
 
 
 def first_retracted(panes) -> int | None:
@@ -86,16 +100,18 @@ def validate_spark(job: BatchContext, clock: BatchClock, raw, panes, state, lo: 
     report = validate_batch(job.settings, job.name, clock.batch, raw=raw, panes=panes, state=state,
                             prior_panes=prior, processing_time=to_datetime(clock.processing_time),
                             window_type=job.spec.window.get("type"), render=job.render_docs,
-                            retractions=lo is not None)
+                            retractions=lo is not None, freshness=freshness(job, clock))
     _judge(job, clock.batch, report)
 
 
-def validate_streams(job: BatchContext, batch: int, produced: dict[str, pa.Table]) -> None:
-    """A computation's productions, by the committed suites of its streams; critical stops the batch here."""
+def validate_streams(job: BatchContext, batch: int, produced: dict[str, pa.Table],
+                     clock: BatchClock | None = None) -> None:
+    """A computation's productions, by the committed suites of its streams (and, given its ``clock``, its
+    freshness); critical stops the batch here."""
     from millpond.quality.validation import validate_streams as check
 
     report = check(job.settings, job.name, batch, {name: t.to_pandas() for name, t in produced.items()},
-                   render=job.render_docs)
+                   render=job.render_docs, freshness=None if clock is None else freshness(job, clock))
     _judge(job, batch, report)
 
 
