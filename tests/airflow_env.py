@@ -99,3 +99,43 @@ def start_test_stack(conf_dir: Path, **overrides: str):
         # the suite's Airflow runs batches in-process; tests/test_spark_engine.py runs them as Spark jobs
         "MILLPOND_ENGINE": "local",
     } | overrides)
+
+
+def kill_mid_batch(stack, s, name: str, start: int, end: int) -> tuple[object, dict, dict]:
+    """A one-run backfill of ``name`` (demo data) whose task process is SIGKILLed mid-batch, once its plan is
+    committed and before its marker; Airflow's first retry must finish it. The backfill, the lease the killed
+    task held, and the backfill's outcome (run states)."""
+    import json
+    import signal
+    import threading
+    import time
+
+    from millpond.lake.lease import lease_key
+    from millpond.lake.objectstore import ObjectStore
+    from millpond.lake.tables import Tables
+    from millpond.orchestration.backfill import Backfill
+    from millpond.orchestration.dagfactory import TASK_ID
+
+    backfill = Backfill(s, name, start, end, stack=stack, conf={"demo": True})
+    outcome: dict = {}
+    runner = threading.Thread(target=lambda: outcome.update(states=backfill.run(timeout=600, echo=lambda _: None)))
+    runner.start()
+    tables, store, killed = Tables(s), ObjectStore(s), None
+    deadline = time.monotonic() + 300
+    while killed is None and time.monotonic() < deadline and runner.is_alive():
+        try:
+            lease = json.loads(store.get_bytes(s.bucket_lake, lease_key(s, name)))
+        except Exception:  # noqa: BLE001 - not written yet
+            lease = {}
+        if str(lease.get("owner", "")).startswith("airflow/") and tables.exists(name, "ingest_log") \
+                and not tables.exists(name, "batches"):
+            os.kill(lease["pid"], signal.SIGKILL)  # the task's process, mid-batch: its plan is committed
+            killed = lease
+        time.sleep(0.1)
+    runner.join(timeout=600)
+    assert killed is not None, f"the batch was never caught in the middle: {outcome}"
+    assert sorted(outcome["states"].values()) == ["success"], outcome
+    (run,) = backfill.runs()
+    ti = backfill.api("GET", f"/dags/millpond_{name}/dagRuns/{run['dag_run_id']}/taskInstances/{TASK_ID}")
+    assert ti["try_number"] == 2, ti  # the first retry committed
+    return backfill, killed, outcome

@@ -226,14 +226,8 @@ def test_a_task_killed_mid_batch_is_retried_and_commits(airflow_stack) -> None:
     """Issue 22: SIGKILL the task's process in the middle of a batch (its plan committed, its outputs not):
     Airflow's first retry takes the lease back at once (the lease's owner is the DAG run) and commits, and
     the tables equal an uninterrupted run's."""
-    import threading
-
     import yaml
-    from millpond.lake.lease import lease_key
-    from millpond.lake.objectstore import ObjectStore
     from millpond.model.spec import pipeline_from_dict
-    from millpond.orchestration.backfill import Backfill
-    from millpond.orchestration.dagfactory import TASK_ID
     from millpond.runtime.job import run_batch
 
     stack, s = airflow_stack
@@ -243,28 +237,8 @@ def test_a_task_killed_mid_batch_is_retried_and_commits(airflow_stack) -> None:
     doc = yaml.safe_load(path.read_text())
     doc["demo"]["events_per_batch"] = 150_000  # a batch of a few seconds: long enough to be killed in
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    backfill = Backfill(s, name, T0, T0 + STEP, stack=stack, conf={"demo": True})
-    outcome: dict = {}
-    runner = threading.Thread(target=lambda: outcome.update(states=backfill.run(timeout=600, echo=lambda _: None)))
-    runner.start()
-    tables, store, killed = Tables(s), ObjectStore(s), None
-    deadline = time.monotonic() + 300
-    while killed is None and time.monotonic() < deadline:
-        try:
-            lease = json.loads(store.get_bytes(s.bucket_lake, lease_key(s, name)))
-        except Exception:  # noqa: BLE001 - not written yet
-            lease = {}
-        if str(lease.get("owner", "")).startswith("airflow/") and tables.exists(name, "ingest_log") \
-                and not tables.exists(name, "batches"):
-            os.kill(lease["pid"], signal.SIGKILL)  # the task's process, mid-batch: its plan is committed
-            killed = lease
-        time.sleep(0.1)
-    runner.join(timeout=600)
-    assert killed is not None, "the batch was never caught in the middle"
-    assert sorted(outcome["states"].values()) == ["success"], outcome
-    (run,) = backfill.runs()
-    ti = backfill.api("GET", f"/dags/millpond_{name}/dagRuns/{run['dag_run_id']}/taskInstances/{TASK_ID}")
-    assert ti["try_number"] == 2, ti  # the first retry committed
+    backfill, killed, outcome = airflow_env.kill_mid_batch(stack, s, name, T0, T0 + STEP)
+    tables = Tables(s)
     # an uninterrupted run of the same files into another table root
     reference = s.with_overrides(table_root="tables_killref")
     run_batch(reference, pipeline_from_dict(doc), T0 + STEP)

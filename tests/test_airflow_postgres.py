@@ -19,7 +19,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -314,35 +313,12 @@ def test_backfill_and_reprocess_equal_uninterrupted_batches(pg_stack) -> None:
 def test_a_task_killed_mid_batch_is_retried_and_commits(pg_stack) -> None:
     """Issue 22 on PostgreSQL: SIGKILL the task's process mid-batch (its plan committed, its outputs not); Airflow's
     retry takes the lease back and commits, and the tables equal an uninterrupted run's."""
-    from millpond.lake.lease import lease_key
-    from millpond.lake.objectstore import ObjectStore
-    from millpond.orchestration.backfill import Backfill
-    from millpond.orchestration.dagfactory import TASK_ID, load_spec
+    from millpond.orchestration.dagfactory import load_spec
     from millpond.runtime.job import run_batch
 
     stack, s = pg_stack
-    backfill = Backfill(s, KILLED, T0, T0 + STEP, stack=stack, conf={"demo": True})
-    outcome: dict = {}
-    runner = threading.Thread(target=lambda: outcome.update(states=backfill.run(timeout=600, echo=lambda _: None)))
-    runner.start()
-    tables, store, killed = Tables(s), ObjectStore(s), None
-    deadline = time.monotonic() + 300
-    while killed is None and time.monotonic() < deadline and runner.is_alive():
-        try:
-            lease = json.loads(store.get_bytes(s.bucket_lake, lease_key(s, KILLED)))
-        except Exception:  # noqa: BLE001 - not written yet
-            lease = {}
-        if str(lease.get("owner", "")).startswith("airflow/") and tables.exists(KILLED, "ingest_log") \
-                and not tables.exists(KILLED, "batches"):
-            os.kill(lease["pid"], signal.SIGKILL)  # the task's process, mid-batch: its plan is committed
-            killed = lease
-        time.sleep(0.1)
-    runner.join(timeout=600)
-    assert killed is not None, f"the batch was never caught in the middle: {outcome}"
-    assert sorted(outcome["states"].values()) == ["success"], outcome
-    (run,) = backfill.runs()
-    ti = backfill.api("GET", f"/dags/millpond_{KILLED}/dagRuns/{run['dag_run_id']}/taskInstances/{TASK_ID}")
-    assert ti["try_number"] == 2, ti  # the first retry committed
+    backfill, killed, outcome = airflow_env.kill_mid_batch(stack, s, KILLED, T0, T0 + STEP)
+    tables = Tables(s)
     reference = s.with_overrides(table_root="tables_airflow_pg_killref")
     run_batch(reference, load_spec(s, KILLED), T0 + STEP)
     assert_same_tables(tables, Tables(reference), KILLED, drop=("phases", "versions"))

@@ -19,7 +19,7 @@ from millpond.model.timeutil import iso, to_us
 from millpond.runtime.assembly import ts_array
 from millpond.runtime.commits import concurrently
 from millpond.runtime.steps.upstream import plan_upstreams, upstream_marks
-from millpond.runtime.upkeep import maintain, upkeep_turns
+from millpond.runtime.upkeep import maintain, retention_of, upkeep_turns
 
 if TYPE_CHECKING:
     from millpond.runtime.context import BatchContext
@@ -179,7 +179,8 @@ def start_upkeep(job: BatchContext, batch: int) -> None:
     turns = upkeep_turns(job.output_tables, job.state_tables)
     turn = turns[batch % len(turns)]
     first = job.commits.plan_commit if turn[1] == "ingest_log" else None
-    job.commits.upkeep = job.background.submit(maintain, job.tables, job.name, batch, turn, first)
+    job.commits.upkeep = job.background.submit(maintain, job.tables, job.name, batch, turn, first,
+                                               retention_of(job.settings, job.name, job.spec))
 
 
 def pinned_clock(the_plan: dict[str, Any], asked: int, explicit: int | None) -> tuple[int, int | None, str]:
