@@ -250,5 +250,5 @@ def test_random_operations_on_the_spark_engine(settings, tables, spark, pipeline
     from test_operations_random import run_world
 
     chosen = settings.with_overrides(engine="spark", engine_local_below=0, engine_one_task_below=0)
-    run_world(settings, tables, pipeline_name, seed=5, steps=int(os.environ.get("MILLPOND_OPS_SPARK_STEPS", "20")),
+    run_world(settings, tables, pipeline_name, seed=5, steps=int(os.environ.get("MILLPOND_OPS_SPARK_STEPS", "30")),
               spark=spark, up_settings=chosen)
