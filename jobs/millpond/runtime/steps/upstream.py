@@ -170,11 +170,14 @@ def changed_panes(job: BatchContext, name: str, before: int | None, upto: int | 
     empty = schema.empty_table()
     if before == upto:
         return empty, empty
-    if before is None or (upto is not None and upto > before and not job.tables.rewinds(name, "panes", before, upto)):
+    if before is None:
         return empty, job.tables.read_added(name, "panes", before, upto, schema)
-    lo, hi = sorted((-1 if v is None else v) for v in (before, upto))
+    lo, hi = sorted(-1 if v is None else v for v in (before, upto))
+    rewinds = job.tables.rewinds(name, "panes", lo, hi)  # one history read for the check and the comparison
+    if upto is not None and upto > before and not rewinds:
+        return empty, job.tables.read_added(name, "panes", before, upto, schema)
     shared = min([_last_batch(job, name, before), _last_batch(job, name, upto)]
-                 + [_last_batch(job, name, v) for v in job.tables.rewinds(name, "panes", lo, hi)])
+                 + [_last_batch(job, name, v) for v in rewinds])
     old, new = (_panes_after(job, name, v, shared, schema) for v in (before, upto))
     old_ids, new_ids = _row_ids(old), _row_ids(new)
     return old.filter(pc.invert(pc.is_in(old_ids, value_set=new_ids))), new.filter(
