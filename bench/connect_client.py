@@ -42,7 +42,7 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
         from millpond.model.spec import pipeline_from_dict
         from millpond.model.timeutil import to_datetime
         from millpond.runtime.job import run_batch
-    from millpond.runtime.spark_client import connect
+    from millpond.runtime.engines.spark_client import connect
 
     out: dict[str, Any] = {"started_at": STARTED_AT, "imported_at": time.time(), "preload_s": preload_s}
     # the product's default: every batch on the Spark engine (engine.local_below 0), as `make up` deploys it

@@ -1057,7 +1057,7 @@ def main_bench(plan: Plan, out: Path | None, log: Callable[[str], None] = print,
         store.start()
         # the Spark-engine measures run in Connect clients of their own server: no session in this process
         if steps is None or not all(s.startswith("measure_spark_engine") or s == "measure_lake_bytes" for s in steps):
-            from millpond.runtime.spark_session import get_spark
+            from millpond.runtime.engines.spark_session import get_spark
 
             t = time.perf_counter()
             spark = get_spark(settings, "millpond-bench")

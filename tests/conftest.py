@@ -102,7 +102,7 @@ def tables(settings: Settings) -> Tables:
 
 @pytest.fixture(scope="session")
 def spark(settings: Settings):
-    from millpond.runtime.spark_session import get_spark
+    from millpond.runtime.engines.spark_session import get_spark
 
     session = get_spark(settings, app_name="millpond-tests", shuffle_partitions=2)
     yield session

@@ -212,7 +212,7 @@ from millpond.config import load_settings
 from millpond.model.spec import pipeline_from_dict
 from millpond.model.timeutil import to_datetime
 from millpond.runtime.job import run_batch
-from millpond.runtime.spark_client import connect
+from millpond.runtime.engines.spark_client import connect
 doc, url, times = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
 settings = load_settings().with_overrides(engine="spark", spark_connect=url)
 spark = connect(settings)

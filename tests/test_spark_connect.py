@@ -29,7 +29,7 @@ CLIENT = """
 import json, sys
 from millpond.config import load_settings
 from millpond.errors import MillpondError
-from millpond.runtime.spark_client import connect
+from millpond.runtime.engines.spark_client import connect
 s = load_settings().with_overrides(spark_connect=sys.argv[1])
 try:
     spark = connect(s)
@@ -66,7 +66,7 @@ for name, url in json.loads(sys.argv[1]).items():  # plain pyspark clients, each
         out[name] = " ".join(str(exc).split())[:400]
 from millpond.config import load_settings
 from millpond.errors import MillpondError
-from millpond.runtime.spark_client import connect
+from millpond.runtime.engines.spark_client import connect
 try:  # Millpond's own client, its token (MILLPOND_SPARK_CONNECT_TOKEN) wrong
     out["millpond"] = connect(load_settings().with_overrides(spark_connect=sys.argv[2])).range(10).count()
 except MillpondError as exc:
@@ -87,7 +87,7 @@ import sys
 from millpond.config import load_settings
 from millpond.errors import MillpondError
 from millpond.model.spec import pipeline_from_dict
-from millpond.runtime.spark_client import connect
+from millpond.runtime.engines.spark_client import connect
 from millpond.surface.replay import read_events, replay
 # the multi-stage plan: several seconds per batch, so that the freeze lands inside one
 s = load_settings().with_overrides(spark_connect=sys.argv[1], engine="spark", engine_local_below=0, spark_timeout_s=8.0,

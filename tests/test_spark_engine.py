@@ -30,7 +30,7 @@ CLIENT = """
 import json, sys
 from millpond.config import load_settings
 from millpond.model.spec import pipeline_from_dict
-from millpond.runtime.spark_client import connect
+from millpond.runtime.engines.spark_client import connect
 from millpond.surface.replay import read_events, replay
 doc, events, url, one_task_below = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 settings = load_settings().with_overrides(engine="spark", spark_connect=url, engine_one_task_below=one_task_below)

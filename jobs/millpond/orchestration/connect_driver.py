@@ -5,7 +5,7 @@ gives every Connect session its own job-artifact id, and Spark keys its Python w
 client (each Airflow task) started a fresh Python daemon and fresh workers on the server, each importing
 pyarrow and millpond again: about a second per batch on a calm box, many at load. Here the Connect sessions
 share one artifact space (all clients are this deployment's own tasks; none uploads artifacts), so they share
-the workers, and the daemon they fork from (``runtime.spark_daemon``) has those modules imported already.
+the workers, and the daemon they fork from (``runtime.engines.spark_daemon``) has those modules imported already.
 
 Run by ``spark-submit`` (``orchestration.spark_server``): ``spark-submit [--conf …] connect_driver.py``, with
 the stack's token in ``SPARK_CONNECT_AUTHENTICATE_TOKEN``: the service then refuses every call without it

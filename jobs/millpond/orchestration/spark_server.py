@@ -9,7 +9,7 @@ Only the deployment runs code on it: a Connect client can run any Python on the 
 requires a shared token (Spark's ``PreSharedKeyAuthenticationInterceptor``, read from
 ``SPARK_CONNECT_AUTHENTICATE_TOKEN``): ``spark.connect_token`` if the deployment sets one, else one generated
 once into ``<home>/spark/connect.token`` (mode 0600), where the stack's clients read it
-(``runtime.spark_client``). Its gRPC port has no TLS of its own (docs/deploy.md).
+(``runtime.engines.spark_client``). Its gRPC port has no TLS of its own (docs/deploy.md).
 
 The standalone cluster helpers (a master and workers from pyspark's launcher) serve scale-out tests and
 laptops that want to see a cluster; each process is its own group with a PID file, like every service.
@@ -29,7 +29,7 @@ from millpond.config import Settings
 from millpond.errors import MillpondError, PrerequisiteMissing
 from millpond.orchestration.processes import free_port, port_free, read_pid, run_dir, stop_group
 from millpond.prerequisites import require_java
-from millpond.runtime.spark_client import token_file
+from millpond.runtime.engines.spark_client import token_file
 
 #: the server's driver program (not Spark's ``SparkConnectServer`` class: see ``connect_driver``)
 DRIVER = Path(__file__).resolve().parent / "connect_driver.py"
@@ -141,11 +141,12 @@ class SparkConnectServer:
             "spark.sql.execution.pythonUDF.arrow.enabled": "true",
             "spark.sql.adaptive.enabled": "false",
             # the code Spark generates for a batch's plans, kept for the next batch's same plans
-            # (``runtime.spark_values``): a sessions batch has about seventy classes, validation as many, and each
-            # pipeline its own; past the default 100 a batch evicts the last one's and the JIT compiles them again
+            # (``runtime.engines.spark_values``): a sessions batch has about seventy classes, validation as many,
+            # and each pipeline its own; past the default 100 a batch evicts the last one's and the JIT compiles
+            # them again
             "spark.sql.codegen.cache.maxEntries": 2000,
             "spark.python.worker.reuse": "true",
-            "spark.python.daemon.module": "millpond.runtime.spark_daemon",
+            "spark.python.daemon.module": "millpond.runtime.engines.spark_daemon",
             "spark.sql.artifact.isolation.enabled": "false",
             "spark.jars.ivy": home / "spark" / "ivy",
             "spark.local.dir": home / "spark" / "local",

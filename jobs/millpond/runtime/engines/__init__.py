@@ -37,7 +37,7 @@ def spark_for(settings: Settings, forced: str | None = None, *, hint: str = "") 
     is one line naming `make up`, followed by ``hint`` (a command's way out: ``--engine local``)."""
     if engine_for(settings, forced) != "spark":
         return None
-    from millpond.runtime.spark_client import connect
+    from millpond.runtime.engines.spark_client import connect
 
     try:
         return connect(settings)

@@ -38,8 +38,8 @@ from millpond.model.panes import pane_schema
 from millpond.model.state import WINDOWS_SCHEMA
 from millpond.runtime.engines import spark_task
 from millpond.runtime.engines.spark_keys import per_key_step
-from millpond.runtime.spark_values import batch_values, with_values
-from millpond.runtime.spark_watchdog import watched
+from millpond.runtime.engines.spark_values import batch_values, with_values
+from millpond.runtime.engines.spark_watchdog import watched
 from millpond.runtime.steps.dedup import seen_keep_from
 from millpond.runtime.steps.read import held_rows
 from millpond.runtime.steps.validate import first_retracted

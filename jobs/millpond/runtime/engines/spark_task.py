@@ -41,7 +41,7 @@ from millpond.model.clock import BatchClock
 from millpond.model.panes import pane_schema
 from millpond.model.spec import pipeline_from_dict
 from millpond.model.state import WINDOWS_SCHEMA
-from millpond.runtime.spark_watchdog import watched
+from millpond.runtime.engines.spark_watchdog import watched
 
 if TYPE_CHECKING:
     from millpond.runtime.commits import PhaseTimer

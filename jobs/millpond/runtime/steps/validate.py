@@ -89,7 +89,7 @@ def validate_spark(job: BatchContext, clock: BatchClock, raw, panes, state, lo: 
 
     from millpond.lake import spark_io
     from millpond.quality.validation import validate_batch
-    from millpond.runtime.spark_values import batch_values, with_values
+    from millpond.runtime.engines.spark_values import batch_values, with_values
 
     prior = None
     if lo is not None:

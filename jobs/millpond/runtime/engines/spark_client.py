@@ -13,7 +13,7 @@ from urllib.parse import quote, urlparse
 
 from millpond.config import Settings
 from millpond.errors import MillpondError
-from millpond.runtime.spark_watchdog import ServerFrozen, watched
+from millpond.runtime.engines.spark_watchdog import ServerFrozen, watched
 
 _SESSIONS: dict[str, object] = {}
 
