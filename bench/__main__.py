@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import replace
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from millpond.config import PROJECT_ROOT
 
-from bench.harness import PLANS, main_bench, ratio_table
+from bench.harness import PLANS, main_bench, ratio_table, write_readme_table
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
@@ -27,12 +28,18 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", action="append", metavar="MEASURE",
                    help="run only this measure method (e.g. measure_flink; repeatable)")
     p.add_argument("--out", help="results JSON (default bench/results.json; var/bench/results-quick.json for --quick)")
+    p.add_argument("--readme", metavar="RESULTS", nargs="?", const=str(PROJECT_ROOT / "bench/results.json"),
+                   help="only regenerate the records table at the top of bench/README.md from a results JSON "
+                        "(default bench/results.json); a complete --full run does it itself")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     _configure(parser)
     args = parser.parse_args(argv)
+    if args.readme:
+        write_readme_table(json.loads(Path(args.readme).read_text()))
+        return 0
     plan = PLANS["quick" if args.quick else "full" if args.full else "default"]
     if args.no_beam:
         plan = replace(plan, beam=False)

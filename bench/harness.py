@@ -31,6 +31,7 @@ import io
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -57,8 +58,14 @@ from millpond.orchestration.processes import read_pid
 from millpond.orchestration.store import EmbeddedStore, isolated_store_env
 from millpond.runtime.job import run_batch
 
+from bench.engines_agree import EnginesAgreeMeasures
 from bench.lake_bytes import LakeBytesMeasures
 from bench.spark_engine import SPARK_ENGINE_TARGETS, SparkEngineMeasures
+from bench.spark_peers import SparkPeerMeasures
+from bench.stage_scale import StageScaleMeasures
+from bench.state_scale import StateScaleMeasures
+from bench.time_floor import TimeFloorMeasures
+from bench.workers_scale import WorkersScaleMeasures
 from bench.workload import Workload, WorkloadSpec, generate, jsonl_bytes, land, write_local
 
 GIB = 1024**3
@@ -100,6 +107,88 @@ TARGETS = {
     "airflow_dag_run_1k_s": "<= 5 s median, Airflow run start to the batch's marker",
     **SPARK_ENGINE_TARGETS,
 }
+
+
+@dataclass(frozen=True)
+class Target:
+    """A record's line: its text, and what ``met`` checks (every bound given must hold; ratio = ours / peer)."""
+
+    text: str
+    max_ratio: float | None = None
+    min_ratio: float | None = None
+    max_ours: float | None = None
+    max_peer: float | None = None
+    #: the bound on ``ours`` is this field of the record (``batch_size_scaling``: the events ratio)
+    max_ours_field: str | None = None
+
+    def met(self, rec: dict[str, Any]) -> bool:
+        ours, peer, ratio = rec.get("ours"), rec.get("peer"), rec.get("ratio")
+        checks = []
+        if self.max_ratio is not None or self.min_ratio is not None:
+            if ratio is None:
+                return False
+            checks += [self.max_ratio is None or ratio <= self.max_ratio,
+                       self.min_ratio is None or ratio >= self.min_ratio]
+        if self.max_ours is not None or self.max_ours_field is not None:
+            bound = self.max_ours if self.max_ours is not None else rec.get(self.max_ours_field)
+            if ours is None or bound is None:
+                return False
+            checks.append(ours <= bound)
+        if self.max_peer is not None:
+            checks.append(peer is not None and peer <= self.max_peer)
+        return all(checks)
+
+
+#: every record's target, by the first pattern its name matches (names carry sizes: ``sessions_100k_vs_spark``).
+#: Where the issues set no line for a record, it gets its family's (said so in the text).
+TARGET_RULES: list[tuple[str, Target]] = [
+    ("stage_1m_rows_driver_rss_vs_1k", Target("the client's peak RSS <= 1.5x a 1k-row stage batch's", max_ratio=1.5)),
+    ("stage_1m_rows_spark_engine_vs_bare_spark", Target("<= 1.5x bare Spark's regrouping on the same server",
+                                                         max_ratio=1.5)),
+    ("tables_identical_across_engines", Target("0 tables differ between the local engine and both Spark strategies",
+                                                max_ours=0)),
+    (r"sessions_\w+_spark_engine_vs_bare_spark_executors", Target(
+        "ours <= 1.5x the time of bare Spark reading the files on the executors, same Connect server", max_ratio=1.5)),
+    (r"sessions_\w+_spark_engine_vs_bare_spark", Target(
+        "ours <= 1.5x the time of bare Spark reading the files in its client, same Connect server", max_ratio=1.5)),
+    (r"sessions_\w+_\d+batches_spark_engine_vs_structured_streaming", Target(
+        "ours >= 1.5x Structured Streaming's throughput on the same Connect server", min_ratio=1.5)),
+    (r"sessions_\w+_spark_engine_vs_flink", Target("ours >= 1x Flink's throughput", min_ratio=1.0)),
+    (r"sessions_\w+_spark_engine_vs_beam", Target(
+        "ours >= 20x Beam's throughput (the in-process Beam line)", min_ratio=20.0)),
+    (r"airflow_dag_run_\w+_spark_engine_s", Target(
+        "<= 1.3x the in-process engine's DAG run and <= 1.5 s median, run start -> marker", max_ratio=1.3,
+        max_ours=1.5)),
+    (r"airflow_dag_run_\w+_s", Target(TARGETS["airflow_dag_run_1k_s"], max_ours=5.0)),
+    (r"driver_rss_1m", Target(SPARK_ENGINE_TARGETS["driver_rss_1m"], max_ours=1.5)),
+    (r"driver_rss_10m_vs_1m", Target(SPARK_ENGINE_TARGETS["driver_rss_10m_vs_1m"], max_ratio=1.25, max_ours=1.5,
+                                     max_peer=1.5)),
+    (r"tiny_batch_spark_engine_s", Target(SPARK_ENGINE_TARGETS["tiny_batch_spark_engine_s"], max_ratio=1.1)),
+    (r"validation_share_1m_spark", Target(SPARK_ENGINE_TARGETS["validation_share_1m_spark"], max_ours=0.25)),
+    (r"batch\d+_vs_batch5(_spark)?", Target("batch N <= 1.2x batch 5", max_ratio=1.2)),
+    (r"tiny_batch_s", Target(TARGETS["tiny_batch_s"], max_ours=5.0)),
+    (r"peak_mem_10m_gib", Target(TARGETS["peak_mem_10m_gib"], max_ours=8.0)),
+    (r"sessions_1m_vs_spark", Target(TARGETS["sessions_1m_vs_spark"], min_ratio=0.5)),
+    (r"(sessions|fixed)_\w+_spark_path_vs_spark", Target(
+        "ours >= 0.5x bare Spark throughput (the family's line, as sessions_1m_vs_spark)", min_ratio=0.5)),
+    (r"(sessions|fixed)_\w+_vs_spark", Target(
+        "ours >= 0.5x bare Spark throughput (the family's line, as sessions_1m_vs_spark)", min_ratio=0.5)),
+    (r"sessions_\w+_stream_vs_structured_streaming", Target(
+        "ours >= 1.5x Structured Streaming's throughput (the Spark engine's line)", min_ratio=1.5)),
+    (r"sessions_\w+_vs_beam", Target(TARGETS["sessions_100k_vs_beam"] + " (every Beam record)", min_ratio=20.0)),
+    (r"sessions_\w+_vs_flink", Target("ours >= 1x Flink's throughput", min_ratio=1.0)),
+    (r"validation_share", Target("<= 0.25 of the batch's time (the Spark engine's line)", max_ours=0.25)),
+    (r"batch_size_scaling", Target("time grows no faster than the events (ours <= the events ratio)",
+                                   max_ours_field="events_ratio")),
+    (r"lake_bytes_\d+_vs_\d+", Target("bytes after B batches <= 1.5x the bytes after B/4", max_ratio=1.5)),
+    (r"batch_time_\d+_vs_\d+_retained", Target("per-batch time unchanged: <= 1.2x", max_ratio=1.2)),
+    (r"workers_scale_\w+_2_vs_1", Target("throughput with two one-core workers >= 1.5x with one", min_ratio=1.5)),
+    (r"state_scale_\w+", Target("the same small batch with many stored windows <= 2x with few", max_ratio=2.0)),
+]
+
+
+def target_for(measure: str) -> Target | None:
+    return next((t for pattern, t in TARGET_RULES if re.fullmatch(pattern, measure)), None)
 
 
 # -- what to run --------------------------------------------------------------------------------
@@ -144,6 +233,10 @@ class Plan:
     #: long as the long-history sequence; `--full` runs it, `--lake-bytes N` sets it)
     lake_bytes_batches: int = 0
     lake_bytes_retention_s: float = 30.0
+    #: `tables_identical_across_engines` (``bench.engines_agree``): the sessions workload's events (0 = skip)
+    engines_agree_events: int = 100_000
+    #: `stage_1m_rows_*` (``bench.stage_scale``): the upstream workload's events (its panes: about as many; 0 = skip)
+    stage_scale_events: int = 1_000_000
     #: `airflow_dag_run_1k_s`: starts a private Airflow (~1 minute), so only with --airflow or --full
     airflow: bool = False
     airflow_events: int = 1_000
@@ -163,6 +256,12 @@ class Plan:
     spark_tiny_runs: int = 7
     #: the bare-Spark peer's fresh clients for the tiny batch (its median)
     spark_tiny_bare_runs: int = 3
+    #: the Spark engine vs Structured Streaming on the same Connect server: this many events in
+    #: `spark_stream_batches` micro-batches (ours: a fresh client per batch, as Airflow tasks); 0 = skip
+    spark_stream_events: int = 1_000_000
+    spark_stream_batches: int = 10
+    #: `airflow_dag_run_1k_spark_engine_s`: the DAG runs again on the Spark engine (with `airflow`)
+    airflow_spark: bool = True
     #: the over-time sequence on the Spark engine: one repeat is 55 Spark batches (several seconds each here), so
     #: fewer repeats than the driver path's nine (noise-bound: one sample of batch 50)
     spark_over_time_repeats: int = 1
@@ -177,7 +276,8 @@ PLANS = {
                   over_time_keys=500, over_time_repeats=1, beam_runs=1, beam_repeats=1, tiny_runs=4,
                   validation_events=10_000, long_history_batches=60, flink_events=50_000,
                   spark_engine_events=50_000, spark_tiny_runs=4, spark_validation_events=10_000,
-                  spark_validation_runs=1, spark_over_time_repeats=1),
+                  spark_validation_runs=1, spark_over_time_repeats=1, spark_stream_events=50_000,
+                  spark_stream_batches=4, engines_agree_events=5_000, stage_scale_events=20_000),
     "default": Plan("default"),
     "full": Plan("full", session_sizes=(10_000, 100_000, 1_000_000, 10_000_000), airflow=True,
                  spark_engine_big_events=10_000_000, lake_bytes_batches=2_000),
@@ -262,7 +362,8 @@ class MemorySampler:
 
 # -- the bench ----------------------------------------------------------------------------------
 @dataclass
-class Bench(SparkEngineMeasures, LakeBytesMeasures):
+class Bench(SparkEngineMeasures, SparkPeerMeasures, LakeBytesMeasures, EnginesAgreeMeasures, StateScaleMeasures,
+            WorkersScaleMeasures, TimeFloorMeasures, StageScaleMeasures):
     settings: Settings
     plan: Plan
     spark: Any
@@ -480,7 +581,7 @@ class Bench(SparkEngineMeasures, LakeBytesMeasures):
             shutil.rmtree(folder, ignore_errors=True)
         return {**out, "events_per_s": round(out["events"] / out["seconds"], 1), "final": final, **mem}
 
-    def session_sums_check(self, wl: Workload, spec: PipelineSpec, flink: pa.Table) -> dict[str, Any]:
+    def session_sums_check(self, wl: Workload, pipeline: str, flink: pa.Table) -> dict[str, Any]:
         """Flink's final session sums against bare Spark's (all sessions of the deduplicated events) and
         against our ``current`` view (the windows our one batch fired; their panes hold every event of the
         batch, so their values are final too). Windows match on (key, start in ms): Flink's time is ms."""
@@ -495,11 +596,7 @@ class Bench(SparkEngineMeasures, LakeBytesMeasures):
                             table.column(value).to_pylist(), strict=True))
 
         fl = keyed(flink, "start_ms", "value")
-        bare = self.spark.createDataFrame(self.read_landing(wl)).dropDuplicates(["id"]).groupBy(
-            "key", F.session_window("event_time", GAP)).agg(F.sum("value").alias("value")).select(
-            "key", F.col("session_window.start").alias("start"), "value").toArrow()
-        sp = keyed(bare, "start", "value")
-        ours = keyed(Tables(self.settings).read_arrow(spec.name, "current", columns=["key", "window_start", "value"]),
+        ours = keyed(Tables(self.settings).read_arrow(pipeline, "current", columns=["key", "window_start", "value"]),
                      "window_start", "value")
 
         def compare(other: dict[tuple[str, int], int], all_of_flink: bool) -> dict[str, Any]:
@@ -510,17 +607,31 @@ class Bench(SparkEngineMeasures, LakeBytesMeasures):
                     "missing_in_flink": len(other.keys() - fl.keys()),
                     **({"missing_in_other": len(fl.keys() - other.keys())} if all_of_flink else {})}
 
-        return {"flink_windows": len(fl), "vs_bare_spark": compare(sp, True), "vs_ours_current": compare(ours, False),
-                "sum_flink": sum(fl.values()), "sum_bare_spark": sum(sp.values())}
+        out = {"flink_windows": len(fl), "vs_ours_current": compare(ours, False), "sum_flink": sum(fl.values())}
+        if self.spark is not None:  # the Spark-engine measures run without a classic session in this process
+            bare = self.spark.createDataFrame(self.read_landing(wl)).dropDuplicates(["id"]).groupBy(
+                "key", F.session_window("event_time", GAP)).agg(F.sum("value").alias("value")).select(
+                "key", F.col("session_window.start").alias("start"), "value").toArrow()
+            sp = keyed(bare, "start", "value")
+            out |= {"vs_bare_spark": compare(sp, True), "sum_bare_spark": sum(sp.values())}
+        return out
 
     # records ----------------------------------------------------------------------------------
     def record(self, measure: str, ours: float | None, peer: float | None, peer_name: str | None, unit: str,
                lower_is_better: bool, **extra: Any) -> dict[str, Any]:
+        """One record; its ``target`` and ``met`` from ``TARGET_RULES``; ``engine``/``path`` default to the
+        in-process engine's (``path: driver``) unless the measure says otherwise."""
         ratio = round(ours / peer, 3) if ours is not None and peer else None
+        extra.pop("target_measure", None)
+        rule = target_for(measure)
+        text = extra.pop("target", None) or (rule.text if rule else "none set")
+        extra.setdefault("engine", "local (in-process)")
+        if extra["engine"].startswith("local") and not extra.get("path"):
+            extra["path"] = ["driver"]
         rec = {"measure": measure, "ours": ours, "peer": peer, "peer_name": peer_name, "unit": unit,
-               "lower_is_better": lower_is_better, "ratio": ratio, **extra}
-        if measure in TARGETS:
-            rec.setdefault("target", TARGETS[measure])
+               "lower_is_better": lower_is_better, "ratio": ratio,
+               "target": text, **extra}
+        rec["met"] = rule.met(rec) if rule else False
         self.records = [r for r in self.records if r["measure"] != measure] + [rec]
         return rec
 
@@ -580,6 +691,7 @@ class Bench(SparkEngineMeasures, LakeBytesMeasures):
             self.record("batch_size_scaling", round(b["ours"]["seconds"] / a["ours"]["seconds"], 3),
                         round(b["bare_spark"]["seconds"] / a["bare_spark"]["seconds"], 3),
                         "bare Spark session_window, same sizes", "x time", True,
+                        events_ratio=round(b["events"] / a["events"], 3),
                         notes=f"time({b['events']} events) / time({a['events']} events); events ratio "
                               f"{b['events'] / a['events']:.0f}x")
 
@@ -855,7 +967,7 @@ class Bench(SparkEngineMeasures, LakeBytesMeasures):
         spec = self.pipeline("sessions", wl)
         runs.append(self._ours_with_cpu(spec, wl))
         self.log(f"  ours {runs[1]['seconds']}s ({runs[1]['cpu_s']} CPU s)")
-        check = self.session_sums_check(wl, spec, flink.pop("final"))
+        check = self.session_sums_check(wl, spec.name, flink.pop("final"))
         self.log(f"  check: {check['vs_bare_spark']['different_sums']} of {check['vs_bare_spark']['matched']} "
                  f"sessions differ from bare Spark, {check['vs_ours_current']['different_sums']} of "
                  f"{check['vs_ours_current']['matched']} from ours")
@@ -894,27 +1006,64 @@ class Bench(SparkEngineMeasures, LakeBytesMeasures):
         from bench import airflow_dag
 
         n, runs = self.plan.airflow_events, self.plan.airflow_runs
-        self.log(f"Airflow DAG runs: {runs} x {n} demo events, a private Airflow on the bench's store")
+        self.log(f"Airflow DAG runs: {runs} x {n} demo events, a private Airflow on the bench's store, local engine")
         res = airflow_dag.measure(self.settings, self.workdir, n, runs, self.log)
         self.measures["airflow_dag_run"] = res
         self.record(f"airflow_dag_run_{_size(n)}_s", res["median_run_start_to_marker_s"], None, None, "s", True,
                     samples=[r["run_start_to_marker_s"] for r in res["runs"]], tasks=res["tasks"],
                     trigger_to_marker_s=res["median_trigger_to_marker_s"],
-                    run_seconds=res["median_run_start_to_run_end_s"],
+                    run_seconds=res["median_run_start_to_run_end_s"], runs_breakdown=_dag_breakdown(res),
                     notes=f"median of runs 2..{runs} (run 1 creates the tables), Airflow's run start to the "
-                          "commit of the batch's marker; per-task times in measures.airflow_dag_run")
+                          "commit of the batch's marker; the in-process engine (MILLPOND_ENGINE=local); per-task "
+                          "times in measures.airflow_dag_run")
+        if not self.plan.airflow_spark:
+            return
+        # the product path: the same DAG on the Spark engine, its tasks Connect clients of the bench's server
+        url = self.connect_url()
+        from millpond.orchestration.spark_server import stack_token
+
+        self.log(f"Airflow DAG runs: {runs} x {n} demo events, the Spark engine against {url}")
+        spark = airflow_dag.measure(self.settings, self.workdir, n, runs, self.log, engine="spark", connect_url=url,
+                                    connect_token=stack_token(self.connect_server.settings))
+        self.measures["airflow_dag_run_spark_engine"] = spark
+        self.record(f"airflow_dag_run_{_size(n)}_spark_engine_s", spark["median_run_start_to_marker_s"],
+                    res["median_run_start_to_marker_s"], "the same DAG's runs with the in-process engine, this run "
+                    "(airflow_dag_run_1k_s)", "s", True, engine="spark (Connect client)", path=["spark_engine"],
+                    samples=[r["run_start_to_marker_s"] for r in spark["runs"]],
+                    peer_samples=[r["run_start_to_marker_s"] for r in res["runs"]], tasks=spark["tasks"],
+                    trigger_to_marker_s=spark["median_trigger_to_marker_s"],
+                    peer_trigger_to_marker_s=res["median_trigger_to_marker_s"],
+                    run_seconds=spark["median_run_start_to_run_end_s"], runs_breakdown=_dag_breakdown(spark),
+                    notes=f"median of runs 2..{runs}, Airflow's run start to the commit of the batch's marker; tasks "
+                          "with MILLPOND_ENGINE=spark, engine.local_below 0, against the bench's Connect server (as "
+                          "`make up` deploys it); the local stack ran first, then this one (each its own Airflow, "
+                          "started in turn); per-task times in measures.airflow_dag_run_spark_engine")
 
     def run_all(self) -> None:
         steps = [self.measure_tiny, self.measure_sessions_scaling, self.measure_fixed, self.measure_spark_path,
                  self.measure_beam, self.measure_streaming, self.measure_over_time, self.measure_validation,
-                 self.measure_long_history, self.measure_lake_bytes, self.measure_flink, self.measure_airflow_dag_run,
-                 # the Spark engine (bench.spark_engine): Connect clients of a server the bench starts
-                 self.measure_spark_engine_tiny, self.measure_spark_engine_sessions,
-                 self.measure_spark_engine_validation, self.measure_spark_engine_over_time]
+                 self.measure_long_history, self.measure_lake_bytes, self.measure_flink,
+                 # the Spark engine (bench.spark_engine, bench.spark_peers): Connect clients of a server the bench
+                 # starts; the Airflow measure runs its DAG on both engines, the Spark one against that server
+                 self.measure_spark_engine_tiny, self.measure_spark_engine_sessions, self.measure_engines_agree,
+                 self.measure_stage_scale,
+                 self.measure_spark_engine_structured_streaming, self.measure_spark_engine_flink,
+                 self.measure_spark_engine_beam, self.measure_airflow_dag_run,
+                 self.measure_spark_engine_validation, self.measure_spark_engine_over_time, self.measure_state_scale,
+                 self.measure_workers_scale, self.measure_time_floor]
         for step in steps:
             t = time.perf_counter()
             step()
             self.log(f"[{step.__name__} {time.perf_counter() - t:.0f}s]")
+
+
+def _dag_breakdown(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per DAG run: trigger -> marker, run start -> marker and each task's queued-after-start and duration."""
+    return [{"run_start_to_marker_s": r["run_start_to_marker_s"], "trigger_to_marker_s": r["trigger_to_marker_s"],
+             "trigger_to_run_start_s": r["trigger_to_run_start_s"],
+             "run_start_to_run_end_s": r["run_start_to_run_end_s"],
+             "tasks": {k: {"started_after_run_start_s": v["started_after_run_start_s"], "duration_s": v["duration_s"]}
+                       for k, v in r["tasks"].items()}} for r in res["runs"]]
 
 
 def landing_table(settings: Settings, prefix: str, batch: int | None = None) -> pa.Table:
@@ -1010,6 +1159,64 @@ def ratio_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+README = PROJECT_ROOT / "bench" / "README.md"
+TABLE_START = "<!-- records:start (generated by bench.harness.write_readme_table; do not edit by hand) -->"
+TABLE_END = "<!-- records:end -->"
+
+
+def records_table(doc: dict[str, Any]) -> str:
+    """Markdown: every record with its target and met/missed, and the run it came from."""
+    m = doc.get("machine", {})
+
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
+        return f"{v:,}" if isinstance(v, int) else str(v)
+
+    records = []
+    for r in doc.get("records", []):
+        if "met" not in r:  # a results file from before every record carried its target: judged by today's rules
+            rule = target_for(r["measure"])
+            r = {**r, "target": rule.text if rule else (r.get("target") or "none set"),
+                 "met": bool(rule and rule.met(r))}
+        records.append(r)
+    met = sum(1 for r in records if r.get("met"))
+    lines = [
+        f"**Records in `bench/results.json`** ({m.get('date', '?')}, {doc.get('plan', {}).get('name', '?')} plan, "
+        f"{doc.get('duration_s', '?')} s; load average {m.get('load_average_at_start', '?')} at start, "
+        f"{m.get('load_average_at_end', '?')} at end; {m.get('cores', '?')} cores): "
+        f"{met} of {len(records)} targets met. ratio = ours / peer; `path: driver` = the in-process engine.",
+        "",
+        "| measure | engine (path) | ours | peer | unit | ours/peer | target | met |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        engine = (r.get("engine") or "local").split(" ")[0]  # records from before ``engine``: the in-process one
+        path = r.get("path") or (["driver"] if engine == "local" else [])
+        path = ",".join(path) if isinstance(path, list) else path
+        lines.append(f"| `{r['measure']}` | {engine} ({path}) | {fmt(r.get('ours'))} | {fmt(r.get('peer'))} | "
+                     f"{r.get('unit', '')} ({'lower' if r.get('lower_is_better') else 'higher'} is better) | "
+                     f"{fmt(r.get('ratio'))} | {str(r.get('target', '')).replace('|', '/')} | "
+                     f"{'met' if r.get('met') else '**missed**'} |")
+    return "\n".join(lines)
+
+
+def write_readme_table(doc: dict[str, Any], readme: Path = README) -> None:
+    """Put ``records_table`` at the top of ``readme`` (after its title), between the marker comments: replaced
+    when they are there, inserted when not."""
+    text = readme.read_text()
+    block = f"{TABLE_START}\n{records_table(doc)}\n{TABLE_END}"
+    if TABLE_START in text and TABLE_END in text:
+        head, rest = text.split(TABLE_START, 1)
+        text = head + block + rest.split(TABLE_END, 1)[1]
+    else:
+        title, _, body = text.partition("\n")
+        text = f"{title}\n\n{block}\n{body}"
+    readme.write_text(text)
+
+
 def run_bench(settings: Settings, plan: Plan, spark, workdir: Path, log: Callable[[str], None] = print,
               exclude_root: Callable[[], int | None] = lambda: None, steps: list[str] | None = None) -> dict:
     """Run the plan against a running store and SparkSession; return the results document."""
@@ -1056,7 +1263,8 @@ def main_bench(plan: Plan, out: Path | None, log: Callable[[str], None] = print,
         log(f"bench ({plan.name}): private object store at {settings.s3_endpoint}, home {home}")
         store.start()
         # the Spark-engine measures run in Connect clients of their own server: no session in this process
-        if steps is None or not all(s.startswith("measure_spark_engine") or s == "measure_lake_bytes" for s in steps):
+        if steps is None or not all(s.startswith("measure_spark_engine")
+                                    or s in ("measure_lake_bytes", "measure_airflow_dag_run") for s in steps):
             from millpond.runtime.engines.spark_session import get_spark
 
             t = time.perf_counter()
@@ -1079,7 +1287,10 @@ def main_bench(plan: Plan, out: Path | None, log: Callable[[str], None] = print,
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
         log(f"results -> {out}")
+        if plan.name == "full" and steps is None:  # one complete run: its table heads the README
+            write_readme_table(doc)
+            log(f"records table -> {README}")
     return doc
 
 
-__all__ = ["Plan", "PLANS", "run_bench", "main_bench", "ratio_table", "US"]
+__all__ = ["Plan", "PLANS", "run_bench", "main_bench", "ratio_table", "records_table", "write_readme_table", "US"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -22,8 +23,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import millpond
+from millpond.model.timeutil import MAX_TS
 from millpond.orchestration.processes import free_port, read_pid
 from millpond.orchestration.spark_server import SparkConnectServer, stack_token
+
+from bench.workload import write_local
 
 if TYPE_CHECKING:
     from bench.workload import Workload
@@ -35,7 +39,8 @@ SPARK_ENGINE_TARGETS = {
     "sessions_1m_spark_engine_vs_bare_spark": "ours <= 1.5x bare Spark's time on the same Connect server",
     "driver_rss_1m": "<= 1.5 GiB (the Connect client's peak RSS)",
     "driver_rss_10m_vs_1m": "10M <= 1.25x the 1M figure, both <= 1.5 GiB",
-    "tiny_batch_spark_engine_s": "<= 2 s median, task start -> commit marker",
+    "tiny_batch_spark_engine_s": "<= 1.1x a bare-Spark client's start -> trivial job (median, task start -> "
+                                 "commit marker)",
     "validation_share_1m_spark": "<= 0.25 of the batch's time",
     "batch50_vs_batch5_spark": "batch 50 <= 1.2x batch 5",
 }
@@ -124,17 +129,24 @@ class SparkEngineMeasures:
         return res
 
     def spark_engine_batch(self, kind: str, wl: Workload, validate: bool = False, preload: bool = False,
-                           render_docs: bool = True) -> dict[str, Any]:
+                           render_docs: bool = True, flush: bool = False) -> dict[str, Any]:
         """All of ``wl``'s batches of a fresh pipeline in one fresh client; the one-batch figures flattened.
         ``preload``: the client first imports what a DAG task's process inherits (``bench.connect_client``);
-        ``render_docs``: as ``run_batch``'s (the DAG's task passes False: its publish renders the pages)."""
-        res = self.client({"mode": "batches", "pipelines": [self._doc(kind, wl)],
-                           "steps": self._steps(wl, list(range(wl.spec.batches))), "validate": validate,
+        ``render_docs``: as ``run_batch``'s (the DAG's task passes False: its publish renders the pages);
+        ``flush``: one more batch at watermark +inf (every window fires), as the Beam comparisons end."""
+        doc = self._doc(kind, wl)
+        steps = self._steps(wl, list(range(wl.spec.batches)))
+        if flush:
+            steps.append([0, wl.spec.start_us + (wl.spec.batches + 1) * wl.spec.interval_us, MAX_TS])
+        res = self.client({"mode": "batches", "pipelines": [doc], "steps": steps, "validate": validate,
                            "preload": preload, "render_docs": render_docs})
+        res["pipeline"] = doc["name"]
         res["seconds"] = round(sum(b["seconds"] for b in res["batches"]), 4)
         res["events"] = wl.input_events
+        res["events_per_s"] = round(wl.input_events / res["seconds"], 1)
+        res["path_ran"] = sorted({b["path"] for b in res["batches"]})
         res["phases"] = {k: round(sum(b["phases"].get(k, 0.0) for b in res["batches"]), 4)
-                         for k in res["batches"][0]["phases"]}
+                         for k in dict.fromkeys(k for b in res["batches"] for k in b["phases"])}
         return res
 
     def bare_on_connect(self, kind: str, wl: Workload, runs: int = 1, batch: int | None = None,
@@ -142,8 +154,30 @@ class SparkEngineMeasures:
         return self.client({"mode": "bare", "kind": kind, "prefix": wl.prefix, "batch": batch, "runs": runs,
                             "preload": preload})
 
+    def bare_on_executors(self, kind: str, wl: Workload, runs: int = 1) -> dict[str, Any]:
+        """The fair bare-Spark peer: a fresh client whose job reads a local copy of the landing files on the
+        executors (``spark.read.json``), dedups, aggregates and writes Parquet to local disk."""
+        out = self.workdir / "bare-exec" / wl.label
+        out.parent.mkdir(parents=True, exist_ok=True)
+        res = self.client({"mode": "bare_exec", "kind": kind, "src": str(self.local_copy(wl)), "out": str(out),
+                           "runs": runs})
+        for r in res["runs"]:
+            shutil.rmtree(r.pop("out"), ignore_errors=True)
+        return res
+
+    def local_copy(self, wl: Workload) -> Path:
+        """The workload's landing files, byte for byte, in a local folder (made once): what the peers that read
+        files themselves read (Spark cannot read s3a here)."""
+        folder = self.workdir / "local-copy" / wl.label
+        if not folder.exists():
+            write_local(wl.spec, wl.events, folder.with_name(folder.name + ".tmp"))
+            folder.with_name(folder.name + ".tmp").rename(folder)
+            wl.table = None  # regenerated on demand: not held through the runs
+        return folder
+
     def _spark_record(self, measure: str, *args: Any, **extra: Any) -> None:
-        self.record(measure, *args, target=SPARK_ENGINE_TARGETS[measure], engine="spark (Connect client)", **extra)
+        extra.setdefault("path", ["spark_engine"])
+        self.record(measure, *args, target=SPARK_ENGINE_TARGETS.get(measure), engine="spark (Connect client)", **extra)
 
     # measures -----------------------------------------------------------------------------------
     def measure_spark_engine_sessions(self) -> None:
@@ -159,30 +193,53 @@ class SparkEngineMeasures:
         # client; the faster run of each side counts. The server's first runs of a plan are its slowest (the JIT
         # compiles Spark's code and the plan's generated classes: ~2x here), so each side gets as many turns,
         # and a load that comes and goes hits both alike
+        # the executor-read peer reads a local copy, written before the clock
+        self.local_copy(wl)
         runs: list[dict[str, Any]] = []
         bare_runs: list[dict[str, Any]] = []
+        exec_runs: list[dict[str, Any]] = []
         bare_rss = 0.0
         for _ in range(max(1, self.plan.spark_engine_runs)):
             runs.append(self.spark_engine_batch("sessions", wl))
             self.log(f"  ours {runs[-1]['seconds']}s {runs[-1]['phases']}; client peak RSS "
                      f"{runs[-1]['peak_rss_gib']} GiB")
+            ex = self.bare_on_executors("sessions", wl)
+            exec_runs += ex["runs"]
+            self.log(f"  bare Spark reading on the executors {ex['runs'][0]['seconds']}s "
+                     f"({ex['runs'][0]['windows']} sessions written)")
             bare = self.bare_on_connect("sessions", wl, runs=1)
             bare_runs += bare["runs"]
             bare_rss = max(bare_rss, bare["peak_rss_gib"])
-            self.log(f"  bare Spark on the same server {bare['runs'][0]['seconds']}s; client peak RSS "
+            self.log(f"  bare Spark reading in the client {bare['runs'][0]['seconds']}s; client peak RSS "
                      f"{bare['peak_rss_gib']} GiB")
         bare = {**bare, "runs": bare_runs, "peak_rss_gib": bare_rss}
         bare_s = min(r["seconds"] for r in bare_runs)
+        exec_s = min(r["seconds"] for r in exec_runs)
         ours = min(runs, key=lambda r: r["seconds"])
         ours_runs = [r["seconds"] for r in runs]
         peak_rss = max(r["peak_rss_gib"] for r in runs)
         out: dict[str, Any] = {"url": url, "events": wl.input_events, "ours": ours,
-                               "ours_other_runs": [r for r in runs if r is not ours], "bare_spark": bare}
+                               "ours_other_runs": [r for r in runs if r is not ours], "bare_spark": bare,
+                               "bare_spark_executors": {"runs": exec_runs}}
         note = "" if n == 1_000_000 else f" ({wl.input_events} events: this plan's size, not 1M)"
         self._spark_record(
+            "sessions_1m_spark_engine_vs_bare_spark_executors", ours["seconds"], exec_s,
+            "bare Spark on the same Connect server, reading on the executors: spark.read.json over a local copy of "
+            "the same landing files, dropDuplicates(id), groupBy(key, session_window 5m), sum, written as Parquet "
+            "to local disk", "s", True,
+            events=wl.input_events, keys=wl.spec.keys, phases=ours["phases"],
+            ours_runs_seconds=ours_runs, peer_runs_seconds=[r["seconds"] for r in exec_runs],
+            peer_windows=exec_runs[0]["windows"], peer_reads="executors",
+            notes="the fair bare-Spark peer (what a Spark user would write); ours: run_batch of a fresh pipeline in a "
+                  "fresh Connect client (connect excluded); peer: a fresh Connect client's job, read to Parquet "
+                  f"written; {len(runs)} run(s) of each, alternating (ours, this peer, the client-read peer), the "
+                  "faster of each side counted" + note)
+        self._spark_record(
             "sessions_1m_spark_engine_vs_bare_spark", ours["seconds"], bare_s,
-            "bare Spark dropDuplicates + groupBy(key, session_window) + sum over the same landing files (pyarrow "
-            "read, createDataFrame, toArrow) in a Connect client of the same server", "s", True,
+            "bare Spark reading in the client: dropDuplicates + groupBy(key, session_window) + sum over the same "
+            "landing files (pyarrow read, createDataFrame, toArrow) in a Connect client of the same server", "s", True,
+            peer_reads="client (every row crosses the client: a weak peer; the fair one is "
+                       "sessions_1m_spark_engine_vs_bare_spark_executors)",
             events=wl.input_events, keys=wl.spec.keys, phases=ours["phases"], counts=ours["batches"][0]["counts"],
             ours_runs_seconds=ours_runs, peer_runs_seconds=[r["seconds"] for r in bare["runs"]],
             notes="ours: run_batch of a fresh pipeline in a fresh Connect client (connect excluded, "
@@ -219,7 +276,8 @@ class SparkEngineMeasures:
         wl = self.workload(n * runs, max(10, n // 10), batches=runs, seed=11)
         self.log(f"Spark engine tiny batches: {runs} x {n} events, one fresh client process each")
         doc = self._doc("sessions", wl)
-        samples = []
+        samples: list[dict[str, Any]] = []
+        trivial: list[dict[str, Any]] = []
         for i in range(runs):
             # as the DAG's task: forked from Airflow's scheduler, which imported the libraries first
             # (``orchestration.airflow_preload``; Great Expectations brings pyspark's Connect client), so a task
@@ -232,7 +290,13 @@ class SparkEngineMeasures:
                             "connect_s": res["connect_s"], "batch_s": b["seconds"],
                             "in_process_s": round(res["connect_s"] + b["seconds"], 4), "process_s": res["process_s"],
                             "phases": b["phases"], "peak_rss_gib": res["peak_rss_gib"]})
+            # the peer, right after: a fresh client, preloaded alike, that connects and runs a trivial job
+            res = self.client({"mode": "trivial", "preload": True}, url=url)
+            trivial.append({"task_s": round(res["runs"][0]["ended_at"] - res["spawned_at"] - res["preload_s"], 4),
+                            "startup_s": round(res["startup_s"] - res["preload_s"], 4),
+                            "connect_s": res["connect_s"], "job_s": res["runs"][0]["seconds"]})
         steady = samples[1:]  # the first batch also creates the tables
+        trivial_steady = trivial[1:]
         bare = []
         for _ in range(max(1, self.plan.spark_tiny_bare_runs)):
             res = self.bare_on_connect("sessions", wl, batch=0, preload=True)  # a task alike: preloaded too
@@ -243,20 +307,30 @@ class SparkEngineMeasures:
 
         phases = {k: round(statistics.median(s["phases"].get(k, 0.0) for s in steady), 4)
                   for k in steady[0]["phases"]}
+        def tmed(key: str) -> float:
+            return round(statistics.median(s[key] for s in trivial_steady), 4)
+
         self.log(f"  task start -> marker {[s['task_s'] for s in samples]}s; in-process "
-                 f"{[s['in_process_s'] for s in samples]}s; bare Spark client {bare}s")
-        self.measures["spark_engine_tiny"] = {"samples": samples, "bare_spark_task_s": bare}
+                 f"{[s['in_process_s'] for s in samples]}s; bare client start -> trivial job "
+                 f"{[s['task_s'] for s in trivial]}s; bare session_window client {bare}s")
+        self.measures["spark_engine_tiny"] = {"samples": samples, "trivial_job_samples": trivial,
+                                              "bare_spark_task_s": bare}
         self._spark_record(
-            "tiny_batch_spark_engine_s", med("task_s"), round(statistics.median(bare), 4),
-            "bare Spark session_window over the same 1k events in a fresh, preloaded Connect client "
-            "(start -> result, less preload_s)", "s",
+            "tiny_batch_spark_engine_s", med("task_s"), tmed("task_s"),
+            "a bare-Spark client's start -> trivial job (spark.range(1).count()) on the same server: a fresh "
+            "Python process, preloaded alike, spawn -> result less preload_s", "s",
             True, samples=[s["task_s"] for s in samples], preload_s=med("preload_s"), startup_s=med("startup_s"),
             connect_s=med("connect_s"),
             batch_s=med("batch_s"), in_process_s=med("in_process_s"), phases=phases,
+            peer_samples=[s["task_s"] for s in trivial], peer_startup_s=tmed("startup_s"),
+            peer_connect_s=tmed("connect_s"), peer_job_s=tmed("job_s"),
+            bare_session_window_s=round(statistics.median(bare), 4), bare_session_window_samples=bare,
             notes=f"median of batches 2..{runs} ({n} events each, no validation), each a fresh Python process "
                   "(spawn -> the marker's commit, less preload_s: the libraries Airflow's scheduler imports "
                   "before it forks a task, imported first as there); startup_s = interpreter + imports, "
-                  "in_process_s = connect + run_batch; phases: the batch's own")
+                  "in_process_s = connect + run_batch; phases: the batch's own. Peer: the median of its runs "
+                  "2..n, each right after one of ours (the floor any Spark task pays); bare_session_window_s: "
+                  "the old peer (a bare session_window over the same 1k events, pyarrow read in the client)")
 
     def measure_spark_engine_validation(self) -> None:
         """The validated batch's validation phase over its whole time, 1M events on the Spark engine: the median
@@ -325,7 +399,8 @@ class SparkEngineMeasures:
         self.record(
             f"batch{nb}_vs_batch5_spark", round(secs[-1], 4), round(fifth, 4),
             f"batch 5 of a fresh pipeline on the same events, run right after our batch {nb} (same client)", "s",
-            True, target=SPARK_ENGINE_TARGETS["batch50_vs_batch5_spark"], engine="spark (Connect client)", runs=reps,
+            True, target=SPARK_ENGINE_TARGETS["batch50_vs_batch5_spark"], engine="spark (Connect client)",
+            path=sorted({b["path"] for b in runs[-1]}), runs=reps,
             per_run_ratio=[round(r[-1]["seconds"] / f[4]["seconds"], 3) for r, f in zip(runs, fresh, strict=True)],
             same_sequence_ratio=round(secs[-1] / secs[4], 3),
             median_last5_vs_batches3to7=round(statistics.median(secs[-5:]) / statistics.median(secs[2:7]), 3),

@@ -109,6 +109,16 @@ def spark(settings: Settings):
     session.stop()
 
 
+@pytest.fixture(scope="session")
+def spark_connect(settings: Settings, tmp_path_factory):
+    """A Spark Connect server for the session's commands on the Spark engine (their own processes, as Airflow
+    tasks are: ``engines.command_env``), started on first use (``tests/engines.py``)."""
+    from engines import connect_server
+
+    with connect_server(settings, tmp_path_factory.mktemp("spark-connect")) as server:
+        yield server
+
+
 @pytest.fixture
 def pipeline_name() -> str:
     """A fresh pipeline name so tests never share tables. The underscore keeps it from reading as a

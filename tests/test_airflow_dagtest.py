@@ -129,7 +129,7 @@ def test_backfill_equals_live_runs(settings: Settings, conf_dir: Path, airflow_s
         if live.exists(p, name):
             a, b = sorted_rows(live.read_arrow(p, name)), sorted_rows(backfilled.read_arrow(p, name))
             assert a == b, (name, len(a), len(b), [r for r in a if r not in b][:3], [r for r in b if r not in a][:3])
-    timing_free = ("phases",)
+    timing_free = ("phases", "engine", "strategy")
     a = sorted_rows(live.read_arrow(p, "batches"), drop=timing_free)
     b = sorted_rows(backfilled.read_arrow(p, "batches"), drop=timing_free)
     assert [r["processing_time"] for r in a] == [T0 + (i + 1) * STEP for i in range(3)]
@@ -246,5 +246,5 @@ def test_a_task_killed_mid_batch_is_retried_and_commits(airflow_stack) -> None:
     for table in ("panes", "current", "windows", "late", "quarantine", "seen_ids"):
         if ref.exists(name, table) or tables.exists(name, table):
             assert sorted_rows(tables.read_arrow(name, table)) == sorted_rows(ref.read_arrow(name, table)), table
-    drop = ("phases", "versions")
+    drop = ("phases", "versions", "engine", "strategy")
     assert sorted_rows(tables.read_arrow(name, "batches"), drop) == sorted_rows(ref.read_arrow(name, "batches"), drop)

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from bad_input_corpus import BIG, Case, corpus, lines, row
+from engines import ENGINES, PLAN, on, same_tables
 from millpond.errors import MillpondError
 from millpond.lake.landing import file_arrival, not_input, parse_file, parse_file_table
 from millpond.lake.objectstore import ObjectStore, StoredObject
@@ -324,30 +325,80 @@ def test_the_command_line_lists_skipped_files_and_holds_one(settings, pipeline_n
     assert "already taken by a committed batch" in capsys.readouterr().err
 
 
-def test_the_whole_corpus_gives_the_same_accounting_on_both_engines(settings, tables, spark, pipeline_name) -> None:
-    """Every case in one batch, on the local engine and as a Spark job: the same counts, quarantined rows and
-    dropped elements (parsing, the checked sum and the holds are shared code on both)."""
+@pytest.fixture(scope="module")
+def corpus_landed(settings) -> tuple[dict[str, str], int]:
+    """Every case and a held file, landed for a pipeline per engine at once (an object whose name has no
+    arrival tag arrives at its last-modified time), and the processing time of their batch."""
+    import uuid
+
     from millpond.surface.inputs import hold_file
 
-    store, p1 = ObjectStore(settings), _next_minutes(2)
-    seen = {}
-    for engine, name in (("local", pipeline_name), ("spark", f"{pipeline_name}_s")):
-        for case in CASES:
-            store.put_bytes(settings.bucket_landing, case.key(f"{name}/", T0 + MINUTE), case.body)
+    base, store = f"t_{uuid.uuid4().hex[:10]}", ObjectStore(settings)
+    names = {engine: f"{base}_{engine}" for engine in ENGINES}
+
+    def modified(key: str) -> float:
+        (found,) = [o for o in store.list(settings.bucket_landing, key) if o.key == key]
+        return found.last_modified
+
+    for case in CASES:
+        keys = [case.key(f"{name}/", T0 + MINUTE) for name in names.values()]
+        for _attempt in range(5):  # the same arrival for both when it is the objects' last-modified time
+            for key in keys:
+                store.put_bytes(settings.bucket_landing, key, case.body)
+            if not case.notes.get("last_modified") or len({modified(key) for key in keys}) == 1:
+                break
+        else:
+            pytest.fail(f"{case.name}: the objects' last-modified times kept differing")
+    for name in names.values():
         store.put_bytes(settings.bucket_landing, f"{name}/held.jsonl", lines(row("held", 0, T0)))
         hold_file(settings, name, f"{name}/", "held.jsonl", "by hand")
-        run_batch(settings.with_overrides(engine=engine), spec(name), to_datetime(p1),
-                  spark=spark if engine == "spark" else None)
-        m = _marker(tables, name, 1)
-        assert _balanced(m)
-        q = tables.read_arrow(name, "quarantine").to_pylist()
-        late = tables.read_arrow(name, "late").to_pylist()
-        seen[engine] = ({k: m[k] for k in ("input", "accepted", "duplicates", "quarantined", "late", "skipped")},
-                        sorted((r["source_file"][len(name):], r["line"], r["reason"]) for r in q),
-                        sorted((r["id"], r["reason"]) for r in late))
-    assert seen["local"] == seen["spark"]
-    counts, quarantined, dropped = seen["local"]
+    return names, _next_minutes(2)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_whole_corpus_gives_the_same_tables_on_both_engines(settings, tables, corpus_landed, engine,
+                                                                request) -> None:
+    """Every case in one batch, on the local engine and as a Spark job (the multi-stage plan: each file read in a
+    task of its own): the same counts, and the same tables, quarantined rows, dropped elements, panes, state and
+    ids alike (``engines.same_tables``; parsing, the checked sum and the holds are shared code on both)."""
+    names, p1 = corpus_landed
+    for run in ("local", engine):  # the local engine's batch first (once: a committed batch is skipped)
+        spark = request.getfixturevalue("spark") if run == "spark" else None
+        run_batch(on(settings, run, PLAN), spec(names[run]), to_datetime(p1), spark=spark)
+    name = names[engine]
+    m = _marker(tables, name, 1)
+    assert _balanced(m)
+    counts = {k: m[k] for k in ("input", "accepted", "duplicates", "quarantined", "late", "skipped")}
     assert counts["input"] == sum(c.rows for c in CASES) + 1
     assert counts["quarantined"] == sum(len(c.quarantined) for c in CASES) + 1
     assert counts["skipped"] == sum(1 for c in CASES if c.skipped)
-    assert [why for _, why in dropped] == [SUM_OUT_OF_RANGE] * sum(len(c.dropped) for c in CASES)
+    dropped = tables.read_arrow(name, "late").to_pylist()
+    assert [r["reason"] for r in dropped] == [SUM_OUT_OF_RANGE] * sum(len(c.dropped) for c in CASES)
+    quarantined = tables.read_arrow(name, "quarantine").to_pylist()
+    assert len(quarantined) == counts["quarantined"] and any(r["line"] == 0 for r in quarantined)
+    if engine != "local":  # (apart from engines.DIVERGING_VERSIONS: the test below)
+        same_tables(tables, names["local"], name)
+
+
+#: issue 36, item 4: a divergence between the engines this battery found (jobs/ is another change's)
+WINDOWS_VERSION_DIVERGES = (
+    "the local engine's MERGE of a batch's window state (steps.commit.commit_outputs) creates an empty `windows` "
+    "table when every window the batch opened also closed in it (its state rows are all deletions) and the table "
+    "did not exist: the marker names windows version 0. The Spark engine commits nothing then (plan: "
+    "spark_batch._rewrite_windows writes no file; one task: spark_task._queue_commits; commit_files skips a "
+    "commit without adds or removes): the marker names no windows version (null). Same rows (none); the next "
+    "batch's plan pins version 0 on one engine, nothing on the other. (Left out of the battery's comparisons "
+    "meanwhile: tests/engines.py, DIVERGING_VERSIONS.)")
+
+
+@pytest.mark.xfail(strict=True, reason=WINDOWS_VERSION_DIVERGES)
+def test_a_batch_that_closes_every_window_it_opened_names_no_windows_version(settings, tables, corpus_landed,
+                                                                             request) -> None:
+    """The corpus's batch (fixed one-minute windows, all behind its watermark) opens windows and closes them all:
+    its marker names the same table versions on both engines."""
+    names, p1 = corpus_landed
+    for run in ENGINES:  # run by the test above, or here (a committed batch is skipped)
+        spark = request.getfixturevalue("spark") if run == "spark" else None
+        run_batch(on(settings, run, PLAN), spec(names[run]), to_datetime(p1), spark=spark)
+    versions = {run: json.loads(_marker(tables, names[run], 1)["versions"]) for run in ENGINES}
+    assert versions["local"]["windows"] == versions["spark"]["windows"], versions

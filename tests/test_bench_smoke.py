@@ -1,7 +1,8 @@
 """Smoke test of the benchmark machinery (`make bench`) on a tiny workload, so it cannot rot.
 
-No Beam and no Structured Streaming here (their own costs dwarf the workload); the full run is
-``millpond bench`` (see bench/README.md).
+No Beam, Flink or Airflow here (their own costs dwarf the workload); the full run is ``millpond bench`` (see
+bench/README.md). The slow test runs the Spark engine's measures, its fair bare-Spark peer and Structured Streaming
+on the same Connect server, at 2k events.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import psutil
 import pytest
 from millpond.lake.landing import parse_file
 
-from bench.harness import Plan, ratio_table, run_bench
+from bench.harness import TABLE_END, TABLE_START, Plan, ratio_table, run_bench, write_readme_table
 from bench.workload import WorkloadSpec, generate, jsonl_bytes
 
 pytestmark = pytest.mark.timeout(300)
@@ -25,7 +26,7 @@ SMOKE = Plan("smoke", session_sizes=(2_000,), fixed_sizes=(), spark_path_events=
              structured_streaming=False, over_time_batches=5, over_time_events=200, over_time_keys=50,
              over_time_repeats=2, tiny_events=200, tiny_runs=2, validation_events=0,
              flink_events=0, long_history_batches=12, long_history_events=10, spark_engine_events=0,
-             spark_tiny_runs=0, spark_validation_events=0, spark_over_time_repeats=0)
+             spark_tiny_runs=0, spark_validation_events=0, spark_over_time_repeats=0, spark_stream_events=0)
 
 
 def test_workload_lands_as_valid_jsonl() -> None:
@@ -55,6 +56,27 @@ def test_bench_smoke(settings, spark, tmp_path) -> None:
     over_time = records["batch5_vs_batch5"]
     assert over_time["runs"] == 2 and len(over_time["per_run_ratio"]) == 2  # the median of two fresh sequences
     assert "tiny_batch_s" in ratio_table(doc["records"])
+    for rec in doc["records"]:  # every record says its line and whether it was met; in-process ones their path
+        assert rec["target"] and rec["target"] != "none set" and isinstance(rec["met"], bool), rec
+        assert rec["engine"].startswith("local") and rec["path"], rec
+    assert records["batch5_vs_batch5"]["met"] == (records["batch5_vs_batch5"]["ratio"] <= 1.2)
+
+
+def test_readme_table_is_regenerated_in_place(tmp_path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n\nbody\n")
+    doc = {"machine": {"date": "d", "load_average_at_start": [1.0], "load_average_at_end": [2.0], "cores": 2},
+           "plan": {"name": "full"}, "duration_s": 1.0,
+           "records": [{"measure": "tiny_batch_s", "ours": 0.2, "peer": 0.8, "unit": "s", "lower_is_better": True,
+                        "ratio": 0.25, "path": ["driver"], "engine": "local (in-process)", "target": "<= 5 s",
+                        "met": True},
+                       {"measure": "x_vs_y", "ours": 3.0, "peer": 1.0, "unit": "s", "lower_is_better": True,
+                        "ratio": 3.0, "engine": "spark (Connect client)", "target": "<= 1.5x", "met": False}]}
+    write_readme_table(doc, readme)
+    write_readme_table(doc, readme)  # replaced, not stacked
+    text = readme.read_text()
+    assert text.startswith("# Benchmarks\n") and text.count(TABLE_START) == 1 and text.count(TABLE_END) == 1
+    assert "1 of 2 targets met" in text and "**missed**" in text and text.rstrip().endswith("body")
 
 
 @pytest.mark.slow
@@ -66,23 +88,44 @@ def test_bench_spark_engine_smoke(settings, tmp_path) -> None:
                    spark_tiny_bare_runs=1, spark_validation_events=2_000, spark_validation_runs=1)
     doc = run_bench(settings, plan, None, tmp_path, log=lambda m: None,
                     steps=["measure_spark_engine_sessions", "measure_spark_engine_tiny",
-                           "measure_spark_engine_validation"])
+                           "measure_spark_engine_validation", "measure_state_scale"])
     records = {r["measure"]: r for r in doc["records"]}
+    assert all(isinstance(r["met"], bool) and r["target"] and r["engine"].startswith("spark") for r in records.values())
     engine = records["sessions_1m_spark_engine_vs_bare_spark"]
     assert engine["ours"] > 0 and engine["peer"] > 0 and engine["target"] and "not 1M" in engine["notes"]
+    fair = records["sessions_1m_spark_engine_vs_bare_spark_executors"]  # the peer that reads on the executors
+    assert fair["peer"] > 0 and fair["peer_reads"] == "executors" and fair["ours"] == engine["ours"]
+    assert fair["peer_windows"] > 0  # its sessions were written (Parquet) and counted
     # 2k events: the Spark engine's one task (the 1M batch of ``make bench``: its multi-stage plan)
     assert doc["measures"]["spark_engine_sessions"]["ours"]["batches"][0]["path"] == "spark_one_task"
     assert doc["measures"]["spark_engine_sessions"]["ours"]["batches"][0]["counts"]["input"] == 2_020
     assert 0 < records["driver_rss_1m"]["ours"] < 1.5  # the client's own RSS, not the server JVM's
     tiny = records["tiny_batch_spark_engine_s"]
     assert 0 < tiny["in_process_s"] < tiny["ours"] and tiny["connect_s"] > 0 and "commit" in tiny["phases"]
+    assert tiny["peer"] > 0 and tiny["peer_job_s"] > 0 and len(tiny["peer_samples"]) == 2  # start -> trivial job
     assert tiny["preload_s"] > 0  # the task's libraries imported first, as Airflow's scheduler has them, not counted
     share = records["validation_share_1m_spark"]  # the client imported what a DAG task inherits, then validated
     assert 0 < share["ours"] < 1 and share["preload_s"] > 0 and share["validation_seconds"] > 0
     assert share["shares"] == [share["ours"]]  # one run in this plan: its share is the median
+    state = records["state_scale_500_batch_5k_vs_1k_windows_hot"]  # a small batch against 1k and 5k stored windows
+    assert state["ours"] > 0 and state["peer"] > 0 and [r["windows_after"] for r in state["runs"]] == [1_000, 5_000]
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if "SparkConnectServer" in " ".join(p.info["cmdline"] or []) and str(tmp_path) in
                 " ".join(p.info["cmdline"] or [])]  # the bench stopped its server
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_spark_engine_vs_structured_streaming_smoke(settings, tmp_path) -> None:
+    """2k events as 2 micro-batches: ours as two DAG-task-like Connect clients, Structured Streaming on the same
+    server (availableNow per batch as its files land, foreachBatch to Delta via delta-rs)."""
+    plan = replace(SMOKE, spark_stream_events=2_000, spark_stream_batches=2)
+    doc = run_bench(settings, plan, None, tmp_path, log=lambda m: None,
+                    steps=["measure_spark_engine_structured_streaming"])
+    stream = {r["measure"]: r for r in doc["records"]}["sessions_2k_2batches_spark_engine_vs_structured_streaming"]
+    assert stream["ours"] > 0 and stream["peer"] > 0 and isinstance(stream["met"], bool)
+    assert len(stream["ours_task_seconds"]) == 2 and stream["counts"]["input"] == 2_020
+    assert len(stream["peer_batch_seconds"]) == 2 and len(stream["peer_trigger_seconds"]) == 2
 
 
 def test_client_reports_its_own_peak_rss() -> None:

@@ -3,11 +3,15 @@ leaves no thread behind; once the store answers again, the rerun converges to an
 
 The store is a SeaweedFS server of the test's own, paused with SIGSTOP (it keeps accepting connections and
 answers nothing: the case a timeout on connecting does not catch) at the moment the batch's progress log
-says a step started. Also: the progress log names each step of a batch as it starts and ends.
+says a step started. Also: the progress log names each step of a batch as it starts and ends. On either engine
+(``tests/engines.py``): on Spark (the session's classic ``spark``), frozen in its reads the batch is the
+multi-stage plan (the other batches one task each), whose executors wait on the store; frozen in its commits,
+one Spark task.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -15,12 +19,11 @@ import threading
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
 from conftest import free_store_env
+from engines import ENGINES, ONE_TASK, assert_same, on, plan_only_for, snapshot
 from millpond.config import load_settings
 from millpond.errors import StoreUnreachable
-from millpond.lake.schemas import OUTPUT_TABLES
 from millpond.lake.tables import Tables
 from millpond.orchestration.processes import read_pid
 from millpond.orchestration.store import EmbeddedStore
@@ -33,16 +36,6 @@ PIPELINE, EVENTS = SCENARIO / "exactly_once.yaml", SCENARIO / "exactly_once.json
 TIMEOUT_S = 5.0
 #: a frozen store's batch fails in about one store wait, plus the lease's brief release and a noisy machine
 BOUND_S = 4 * TIMEOUT_S + 20
-
-
-def snapshot(tables: Tables, pipeline: str) -> dict[str, list]:
-    """Every table's rows, order-free, without timings."""
-    out = {}
-    for name in (*OUTPUT_TABLES, "batches"):
-        t = tables.read_arrow(pipeline, name, schema=pa.schema([]))
-        t = t.drop(["phases"]) if "phases" in t.column_names else t
-        out[name] = sorted(repr(sorted(r.items())).replace(pipeline, "<pipeline>") for r in t.to_pylist())
-    return out
 
 
 def wait_stopped(pgid: int, timeout: float = 10.0) -> None:
@@ -106,15 +99,21 @@ def frozen_env(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(frozen_env) -> dict[str, list]:
+    """The local engine's tables, the store answering throughout."""
     s, _ = frozen_env
-    replay(s, load_scenario_pipeline(PIPELINE, "bw_reference"), read_events(EVENTS))
+    replay(on(s, "local"), load_scenario_pipeline(PIPELINE, "bw_reference"), read_events(EVENTS))
     return snapshot(Tables(s), "bw_reference")
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("step", ["ingest", "commit"])
-def test_a_frozen_store_fails_the_batch_in_time_and_the_rerun_converges(frozen_env, reference, step) -> None:
+def test_a_frozen_store_fails_the_batch_in_time_and_the_rerun_converges(frozen_env, reference, step, engine,
+                                                                        request) -> None:
+    spark = request.getfixturevalue("spark") if engine == "spark" else None
     s, store = frozen_env
-    name = f"bw_{step}"
+    s = on(s, engine, ONE_TASK)
+    strategy = plan_only_for(3) if engine == "spark" and step == "ingest" else contextlib.nullcontext()
+    name = f"bw_{step}_{engine}"
     spec, events = load_scenario_pipeline(PIPELINE, name), read_events(EVENTS)
     freezer = Freezer(read_pid(store.pidfile), f"{name} batch 3: {step} started")
     logger = logging.getLogger("millpond.batch")
@@ -122,8 +121,8 @@ def test_a_frozen_store_fails_the_batch_in_time_and_the_rerun_converges(frozen_e
     logger.setLevel(logging.INFO)
     logger.addHandler(freezer)
     try:
-        with pytest.raises(StoreUnreachable) as failed:
-            replay(s, spec, events)
+        with pytest.raises(StoreUnreachable) as failed, strategy:
+            replay(s, spec, events, spark=spark)
         took = time.monotonic() - freezer.frozen_at
         # Every thread the batch started has ended (they wait on the store no longer than it does).
         deadline = time.monotonic() + TIMEOUT_S
@@ -141,9 +140,14 @@ def test_a_frozen_store_fails_the_batch_in_time_and_the_rerun_converges(frozen_e
     assert not left, f"threads still running after the batch failed: {left}"
     # The task log said where the batch was: each step's start and end, up to the one the store froze in.
     batch3 = [line.split(": ", 1)[1] for line in freezer.lines if line.startswith(f"{name} batch 3: ")]
-    assert batch3[0].startswith("plan done") and any(line.startswith("ingest done") for line in batch3) == (
+    read = ("ingest done", "spark_task done")  # one Spark task's reads are its task's
+    assert batch3[0].startswith("plan done") and any(line.startswith(read) for line in batch3) == (
         step != "ingest"), batch3
     assert batch3[-1].startswith(f"{step} "), batch3  # started, or how far it got
+    if engine == "spark":  # frozen in its reads: the plan's Spark jobs; in its commits: after its one task
+        assert any(line.startswith("ingest started") and "spark" in line for line in batch3), batch3
+        assert any(line.startswith("spark_task done") for line in batch3) == (step != "ingest"), batch3
 
-    replay(s, spec, events)  # the store answers again: the same batch, from its committed plan or anew
-    assert snapshot(Tables(s), name) == reference
+    with plan_only_for(3) if engine == "spark" and step == "ingest" else contextlib.nullcontext():
+        replay(s, spec, events, spark=spark)  # the store answers again: the same batch, from its committed plan or anew
+    assert_same(reference, snapshot(Tables(s), name), engine)

@@ -1,23 +1,28 @@
 """MillWheel computations on the micro-batch (issue 4): per-key state and timers that survive batches
 and restarts, event timers gated by the low watermark, processing timers, productions exactly once
-under a crash and rerun, and Zeitgeist finding injected spikes and dips (and nothing on steady traffic)."""
+under a crash and rerun, and Zeitgeist finding injected spikes and dips (and nothing on steady traffic).
+On both engines: the Spark engine's batches (``engines.spark_computation``) leave the same tables as the local
+engine's (issue 36)."""
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import yaml
 from millpond.errors import MillpondError
 from millpond.examples.zeitgeist import query_stream
 from millpond.lake.landing import arrival_tag
 from millpond.lake.objectstore import ObjectStore
+from millpond.lake.tables import Tables
 from millpond.model.computation import Computation, Context, Record, Timer, load_computation, run_key
 from millpond.model.spec import pipeline_from_dict
 from millpond.model.step import BatchClock
@@ -35,11 +40,16 @@ def at(minutes: float) -> int:
 
 class Recorder(Computation):
     """Test computation: counts records per key; value 1 arms an event timer at the end of the record's
-    minute, 3 also a chain of event timers a minute apart, 7 a processing timer 90 s out, -1 cancels."""
+    minute, 3 also a chain of event timers a minute apart, 7 a processing timer 90 s out, -1 cancels, -2
+    forgets the key (its state deleted, its timer cancelled)."""
 
     output_streams = {"log": None}
 
     def process_record(self, ctx: Context, record: Record) -> None:
+        if record.value == -2:
+            ctx.state.clear()
+            ctx.cancel_timer("end")
+            return
         st = ctx.state
         st["n"] = st.get("n", 0) + 1
         st.setdefault("ids", []).append(record.id)
@@ -83,30 +93,64 @@ def test_config_validation() -> None:
     assert load_computation({"class": "millpond.examples.zeitgeist:Zeitgeist", "k": 3}).k == 3.0
 
 
-def test_state_and_timers_across_batches_and_restarts(settings, tables, pipeline_name) -> None:
-    name = pipeline_name
+@pytest.fixture(params=["local", "spark"])
+def engine(request, settings, monkeypatch):
+    """(settings, session): the local engine, or the Spark engine (the session's ``spark``) for every batch, its
+    keys spread over three tasks (a task per row, at most three), so that tasks' tallies and inferred stream
+    types are merged and the rewritten state comes from several tasks."""
+    if request.param == "local":
+        return settings.with_overrides(engine="local"), None
+    from millpond.runtime.engines import spark_batch
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # this module's computations, on executors
+    monkeypatch.setattr(spark_batch, "ROWS_PER_TASK", 1)
+    return (settings.with_overrides(engine="spark", engine_local_below=0, spark_shuffle_partitions=3),
+            request.getfixturevalue("spark"))
+
+
+def recorder_scenario(settings, spark, name: str) -> tuple[list, list[tuple[str, str]]]:
+    """Four batches of the Recorder (a bad line and a re-delivery in the first): its results, and the timers
+    pending after the first."""
     spec = pipeline_from_dict({"name": name, "source": {"prefix": f"{name}/"},
                                "computation": "test_computation:Recorder", "batch_interval": "1m"})
     land(settings, f"{name}/", at(0.5), [ev("a1", "a", 1, 0.1), ev("a2", "a", 1, 0.3), ev("b1", "b", 1, 0.6),
-                                         ev("c1", "c", 3, 50 / 60), ev("d1", "d", 7, 0.2), ev("e1", "e", 1, 0.4)])
+                                         ev("c1", "c", 3, 50 / 60), ev("d1", "d", 7, 0.2), ev("e1", "e", 1, 0.4),
+                                         ev("f1", "f", 1, 0.45)])
+    ObjectStore(settings).put_bytes(settings.bucket_landing, f"{name}/{arrival_tag(at(0.5))}-g.jsonl",
+                                    b'{"id": "g1", "key": "g"\n' + json.dumps(ev("a1", "a", 1, 0.1)).encode() + b"\n")
     # Each run_batch is a fresh job: state and timers come back from Delta, nothing from memory.
-    r1 = run_batch(settings, spec, T0 + timedelta(minutes=1), watermark=T0)
-    assert r1.counts["timers_fired"] == 0 and r1.counts["keys"] == 5 and r1.counts["productions"] == 0
-    pending = tables.select(name, "timers", columns=["key", "tag"])
-    assert sorted(zip(*pending.to_pydict().values(), strict=True)) == [
-        ("a", "end"), ("b", "end"), ("c", "chain-0"), ("c", "end"), ("d", "end"), ("d", "ping"), ("e", "end")]
+    results = [run_batch(settings, spec, T0 + timedelta(minutes=1), watermark=T0, spark=spark)]
+    pending = Tables(settings).select(name, "timers", columns=["key", "tag"])
+    land(settings, f"{name}/", at(1.5), [ev("e2", "e", -1, 1.5), ev("f2", "f", -2, 1.5)])
+    for minute, watermark in ((2, timedelta(seconds=55)), (3, timedelta(seconds=55)), (4, timedelta(minutes=10))):
+        results.append(run_batch(settings, spec, T0 + timedelta(minutes=minute), watermark=T0 + watermark,
+                                 spark=spark))
+    return results, sorted(zip(*pending.to_pydict().values(), strict=True))
 
-    land(settings, f"{name}/", at(1.5), [ev("e2", "e", -1, 1.5)])
-    r2 = run_batch(settings, spec, T0 + timedelta(minutes=2), watermark=T0 + timedelta(seconds=55))
-    # Only c (a due timer) and e (a record) are read: 2 states + c's 2 timers + e's 1 timer.
-    assert r2.counts["keys"] == 2 and r2.counts["state_rows_read"] == 5
+
+@pytest.fixture(scope="module")
+def recorder_local(settings) -> tuple[str, list, list[tuple[str, str]]]:
+    """The Recorder's scenario on the local engine: the reference the Spark engine's tables must equal."""
+    name = "recorder_local"
+    return (name, *recorder_scenario(settings.with_overrides(engine="local"), None, name))
+
+
+def test_state_and_timers_across_batches_and_restarts(engine, tables, recorder_local, pipeline_name) -> None:
+    chosen, spark = engine
+    name, (r1, r2, r3, r4), pending = (recorder_local if spark is None
+                                       else (pipeline_name, *recorder_scenario(chosen, spark, pipeline_name)))
+    assert r1.counts["timers_fired"] == 0 and r1.counts["keys"] == 6 and r1.counts["productions"] == 0
+    assert (r1.counts["quarantined"], r1.counts["duplicates"]) == (1, 1)  # a bad line; a1 delivered twice
+    assert pending == [("a", "end"), ("b", "end"), ("c", "chain-0"), ("c", "end"), ("d", "end"), ("d", "ping"),
+                       ("e", "end"), ("f", "end")]
+    # Only c (a due timer), e and f (records) are read: 3 states + c's 2 timers + e's and f's 1 each.
+    assert r2.counts["keys"] == 3 and r2.counts["state_rows_read"] == 7
     assert r2.counts["timers_fired"] == 1  # c's chain-0 (12:00:50); e's cancelled by the record first
-
     # The watermark is stuck: only the processing timer fires, when processing time reaches it.
-    r3 = run_batch(settings, spec, T0 + timedelta(minutes=3), watermark=T0 + timedelta(seconds=55))
     assert r3.counts["keys"] == 1 and r3.counts["timers_fired"] == 1
-    r4 = run_batch(settings, spec, T0 + timedelta(minutes=4), watermark=T0 + timedelta(minutes=10))
     assert r4.counts["timers_fired"] == 7
+    assert {r.engine for r in (r1, r2, r3, r4)} == {"local/in-process" if spark is None else "spark/plan"}
 
     log = tables.read_arrow(name, "log").to_pylist()
     fired = defaultdict(list)
@@ -117,22 +161,27 @@ def test_state_and_timers_across_batches_and_restarts(settings, tables, pipeline
                           (4, "chain-3", "event", at(50 / 60 + 3))]
     assert fired["d"] == [(3, "ping", "processing", at(2.5)), (4, "end", "event", at(1))]
     assert fired["a"] == [(4, "end", "event", at(1))] and fired["b"] == [(4, "end", "event", at(1))]
-    assert "e" not in fired
+    assert "e" not in fired and "f" not in fired
     assert all(r["watermark"] >= r["at"] for r in log if r["domain"] == "event")  # never before the watermark
     for rows in fired.values():  # per key, in time order across batches
         assert [r[3] for r in rows if r[2] == "event"] == sorted(r[3] for r in rows if r[2] == "event")
 
     state = {r["key"]: json.loads(r["state"]) for r in tables.select(name, "comp_state").to_pylist()}
     assert state["a"] == {"n": 2, "ids": ["a1", "a2"], "fired": ["end"]}
-    assert state["e"] == {"n": 2, "ids": ["e1", "e2"]}
+    assert state["e"] == {"n": 2, "ids": ["e1", "e2"]} and "f" not in state  # f's state deleted
     assert tables.select(name, "timers").num_rows == 0  # every timer consumed
     # The output watermark follows the input one (nothing held) and is what downstream reads.
     marks = sorted(tables.read_arrow(name, "watermarks").to_pylist(), key=lambda r: r["batch"])
     assert [to_us(r["output_watermark"]) for r in marks] == [at(0), at(55 / 60), at(55 / 60), at(10)]
     assert output_watermark(tables, name) == at(10)
     # A retry of a committed batch is skipped: nothing fires twice.
-    assert run_batch(settings, spec, T0 + timedelta(minutes=4)).skipped
+    spec = pipeline_from_dict({"name": name, "source": {"prefix": f"{name}/"},
+                               "computation": "test_computation:Recorder", "batch_interval": "1m"})
+    assert run_batch(chosen, spec, T0 + timedelta(minutes=4), spark=spark).skipped
     assert tables.read_arrow(name, "log").num_rows == len(log)
+    if spark is not None:  # every table as the local engine left it
+        assert snapshot(tables, name, ("log",), across_engines=True) == snapshot(
+            tables, recorder_local[0], ("log",), across_engines=True)
 
 
 def test_firing_bound_holds_the_output_watermark() -> None:
@@ -149,6 +198,64 @@ def test_firing_bound_holds_the_output_watermark() -> None:
     stored = {t.tag: t for t in out.timer_upserts}
     again = run_key(comp, "c", [], out.state, stored, clock)
     assert [p[1]["tag"] for p in again.productions] == ["chain-1", "chain-2"] and again.held_by == at(3.5)
+
+
+class Mixed(Recorder):
+    """Also logs each record with a type that depends on its key (an inferred stream's types, merged)."""
+
+    def process_record(self, ctx: Context, record: Record) -> None:
+        super().process_record(ctx, record)
+        ctx.produce("log", {"key": ctx.key, "v": 1 if ctx.key == "a" else 1.5, "note": "x" if ctx.key == "c" else None})
+
+
+def test_spark_tasks_split_keys_as_one_process_would() -> None:
+    """The Spark engine's per-key step gives the same rows whichever of its tasks a key falls in (untouched keys'
+    state and timers passed through, a due timer's key run), and a stream's schema inferred from the tasks' parts
+    is the one the local engine infers from all the batch's rows (``pa.Table.from_pylist``)."""
+    from millpond.runtime.computation_tables import inferred_schema
+    from millpond.runtime.engines.spark_computation import run_partition
+
+    cols = [("src", pa.string()), ("key", pa.string()), ("id", pa.string()), ("value", pa.int64()),
+            ("event_time", pa.int64()), ("arrival_time", pa.int64()), ("state", pa.string()), ("batch", pa.int64()),
+            ("tag", pa.string()), ("domain", pa.string()), ("fire_at", pa.int64())]
+    rows = [("r", "a", "a1", 1, at(0.1), at(0.1)), ("r", "b", "b1", 7, at(0.2), at(0.2)),
+            ("r", "c", "c1", 3, at(0.3), at(0.3)), ("s", "a", *[None] * 4, '{"n":1}', 1),
+            ("s", "x", *[None] * 4, '{"n":5}', 1), ("s", "d", *[None] * 4, '{"n":2}', 1),
+            ("t", "d", *[None] * 5, 1, "end", "event", at(0.5)), ("t", "x", *[None] * 5, 1, "end", "event", at(30)),
+            ("t", "a", *[None] * 5, 1, "old", "processing", at(100))]  # a row's missing columns are null
+    table = pa.Table.from_pylist([dict(zip([c for c, _ in cols], r, strict=False)) for r in rows],
+                                 schema=pa.schema(cols))
+    clock = BatchClock(batch=2, processing_time=at(2), input_watermark=at(0), watermark=at(1))
+    comp, infer = Mixed(), frozenset({"log"})
+
+    def run(keys: set[str]) -> pa.Table:
+        return run_partition(comp, clock, infer, "p", table.filter(pc.is_in(table.column("key"),
+                                                                            pa.array(sorted(keys)))))
+
+    whole, parts = run({"a", "b", "c", "d", "x"}), [run({"a", "c", "x"}), run({"b", "d"})]
+
+    def rows_of(t: pa.Table, tbl: str) -> list:
+        return sorted(repr(r) for r in t.filter(pc.equal(t.column("tbl"), tbl)).to_pylist())
+
+    for tbl in ("state", "timer", "prod"):
+        assert rows_of(whole, tbl) == sorted(sum((rows_of(t, tbl) for t in parts), [])), tbl
+    tally = whole.filter(pc.equal(whole.column("tbl"), "tally")).to_pylist()[0]
+    assert (tally["keys"], tally["fired"], tally["read"], tally["state_changes"]) == (4, 5, 4, 4)
+    assert sorted(r["key"] for r in rows_of_dicts(whole, "state")) == ["a", "b", "c", "d", "x"]
+    produced = [pickle.loads(r["record"]) for r in sorted(rows_of_dicts(whole, "prod"),
+                                                          key=lambda r: (r["key"], r["seq"]))]
+
+    def part(t: pa.Table) -> tuple:
+        r = rows_of_dicts(t, "stream")[0]
+        return r["key"], json.loads(r["names"]), pa.ipc.read_schema(pa.py_buffer(r["record"]))
+
+    assert inferred_schema("p", "log", [part(t) for t in parts]) == pa.Table.from_pylist(produced).schema
+    assert pa.Table.from_pylist(produced).schema == pa.schema([("key", pa.string()), ("v", pa.float64()),
+                                                               ("note", pa.string()), ("batch", pa.int64())])
+
+
+def rows_of_dicts(t: pa.Table, tbl: str) -> list[dict]:
+    return t.filter(pc.equal(t.column("tbl"), tbl)).to_pylist()
 
 
 # -- Zeitgeist ---------------------------------------------------------------------------------------
@@ -177,12 +284,16 @@ def land_stream(settings, name: str) -> None:
         land(settings, f"{name}/", at(m), chunk)
 
 
-def snapshot(tables, name: str) -> dict[str, list]:
+def snapshot(tables, name: str, streams: tuple[str, ...] = ("anomalies",), across_engines: bool = False
+             ) -> dict[str, list]:
+    """Every table's rows, sorted. ``across_engines``: without what differs by engine, apart from timings (the
+    engine and strategy that ran, and the tables' versions: a table the Spark engine creates starts with an
+    empty version 0, the local engine's first write is its version 0)."""
     out = {}
-    for table in (*ComputationBatch.state_tables, "quarantine", "ingest_log", "anomalies", "batches"):
+    drop = ("phases", "versions", "engine", "strategy") if across_engines else ("phases",)
+    for table in (*ComputationBatch.state_tables, "quarantine", "ingest_log", *streams, "batches"):
         t = tables.read_arrow(name, table, schema=pa.schema([]))
-        if "phases" in t.column_names:
-            t = t.drop(["phases"])
+        t = t.drop([c for c in drop if c in t.column_names])
         out[table] = sorted(repr(sorted(r.items())).replace(name, "<pipeline>") for r in t.to_pylist())
     return out
 
@@ -221,12 +332,13 @@ def test_zeitgeist_finds_injected_spikes_and_dips(tables, zeitgeist_reference) -
             assert r["batch"] == 1 or marks[r["batch"] - 1] < to_us(r["second"]) + US
 
 
-def test_zeitgeist_as_the_paper_draws_it_a_counter_feeding_the_model(settings, tables, zeitgeist_reference,
+def test_zeitgeist_as_the_paper_draws_it_a_counter_feeding_the_model(engine, tables, zeitgeist_reference,
                                                                       pipeline_name) -> None:
     """MillWheel's Figure 1: a windowed per-second counter (a stage with early panes, discarding) feeds the
     model computation (``input: counts``), which reads the counter's panes as a stage does. Over the same
     searches it finds the same anomalies as the one-computation Zeitgeist, in the same batches; its input
-    watermark is the counter's."""
+    watermark is the counter's. On either engine (the shipped ``zeitgeist_counts`` and ``zeitgeist``)."""
+    settings, spark = engine
     counter, model = f"{pipeline_name}_counts", f"{pipeline_name}_model"
     counts = pipeline_from_dict({
         "name": counter, "source": {"prefix": f"{zeitgeist_reference}/"}, "window": {"type": "fixed", "size": "1s"},
@@ -237,8 +349,9 @@ def test_zeitgeist_as_the_paper_draws_it_a_counter_feeding_the_model(settings, t
         "computation": {"class": "millpond.examples.zeitgeist:Zeitgeist", "input": "counts"},
         "batch_interval": "1m", "dedup": {"horizon": "10m"}})
     for b in range(1, BATCHES + 1):
-        run_batch(settings, counts, T0 + timedelta(minutes=b))
-        result = run_batch(settings, chain, T0 + timedelta(minutes=b), validate=True)  # as its DAG runs it
+        run_batch(settings, counts, T0 + timedelta(minutes=b), spark=spark)
+        result = run_batch(settings, chain, T0 + timedelta(minutes=b), validate=True, spark=spark)  # as its DAG
+        assert result.engine.startswith("spark/" if spark is not None else "local/"), result.engine
         if result.counts["productions"]:  # its anomalies are checked by their committed suite
             assert result.quality.ok and result.quality.suites == {"millpond_stream_anomalies": True}
         counter_mark = tables.read_arrow(counter, "batches").sort_by("batch").to_pylist()[-1]
@@ -269,14 +382,26 @@ class BadAnomalies(Computation):
                                   "expected": 1.0})
 
 
-def test_a_stream_that_fails_its_suite_stops_the_batch(settings, tables, pipeline_name) -> None:
+class Undeclared(Computation):
+    """Produces to a stream it did not declare: a mistake in the computation, one line on either engine."""
+
+    def process_record(self, ctx: Context, record: Record) -> None:
+        ctx.produce("nowhere", {"key": ctx.key})
+
+
+def test_a_stream_that_fails_its_suite_stops_the_batch(engine, tables, pipeline_name) -> None:
+    """Validated on the batch's engine (Great Expectations' Spark engine on Spark): nothing is published."""
+    chosen, spark = engine
     spec = pipeline_from_dict({"name": pipeline_name, "source": {"prefix": f"{pipeline_name}/"},
                                "computation": "test_computation:BadAnomalies", "batch_interval": "1m"})
-    land(settings, f"{pipeline_name}/", at(0), [{"id": "e1", "key": "q", "value": 1, "event_time": iso(at(0.5)),
-                                                 "arrival_time": iso(at(0.5))}])
+    land(chosen, f"{pipeline_name}/", at(0), [{"id": "e1", "key": "q", "value": 1, "event_time": iso(at(0.5)),
+                                               "arrival_time": iso(at(0.5))}])
     with pytest.raises(MillpondError, match="failed critical data-quality checks.*kind"):
-        run_batch(settings, spec, T0 + timedelta(minutes=1), validate=True)
+        run_batch(chosen, spec, T0 + timedelta(minutes=1), validate=True, spark=spark)
     assert not tables.exists(pipeline_name, "anomalies") and not tables.exists(pipeline_name, "batches")
+    wrong = pipeline_from_dict({**spec.raw, "computation": "test_computation:Undeclared"})
+    with pytest.raises(MillpondError, match=r"^produce to undeclared stream 'nowhere'"):
+        run_batch(chosen, wrong, T0 + timedelta(minutes=1), spark=spark)
 
 
 def test_zeitgeist_quiet_on_steady_traffic() -> None:
@@ -303,6 +428,44 @@ def test_zeitgeist_quiet_on_steady_traffic() -> None:
             fired += out.fired
         wm = clock.watermark
     assert fired == 6 * (360 - 5) and produced == []
+
+
+#: a batch on the Spark engine in a process of its own (a local Spark of its own), killed by MILLPOND_CRASH_AFTER
+SPARK_CLIENT = """
+import json, sys
+from millpond.config import load_settings
+from millpond.model.spec import pipeline_from_dict
+from millpond.runtime.engines.spark_session import get_spark
+from millpond.runtime.job import run_batch
+settings = load_settings().with_overrides(engine="spark", engine_local_below=0)
+run_batch(settings, pipeline_from_dict(json.loads(sys.argv[1])), sys.argv[2], spark=get_spark(settings))
+"""
+
+
+def test_zeitgeist_on_spark_killed_retried_and_validated_equals_the_local_run(settings, tables, spark,
+                                                                              zeitgeist_reference) -> None:
+    """Zeitgeist on the Spark engine, its second batch SIGKILLed right after its copy-on-write ``comp_state``
+    commit, then retried as a DAG run does it (validated: its anomalies on Great Expectations' Spark engine). The
+    retry must not read the state that commit left (it recomputes from the plan's versions) nor commit it again:
+    every table as the local engine's uninterrupted run left it."""
+    name = "zg_spark"
+    land_stream(settings, name)
+    chosen = settings.with_overrides(engine="spark", engine_local_below=0)
+    spec = pipeline_from_dict(zeitgeist_doc(name))
+    first = run_batch(chosen, spec, T0 + timedelta(minutes=1), spark=spark)
+    crashed = subprocess.run([sys.executable, "-c", SPARK_CLIENT, json.dumps(spec.raw), iso(at(2))],
+                             env={**os.environ, "MILLPOND_CRASH_AFTER": "comp_state"}, capture_output=True, text=True,
+                             timeout=600)
+    assert crashed.returncode == -9, crashed.stderr[-2000:]
+    assert max(tables.read_arrow(name, "batches").column("batch").to_pylist()) == 1
+    planned = json.loads(tables.read_arrow(name, "ingest_log").sort_by("batch").column("versions")[-1].as_py())
+    assert tables.version(name, "comp_state") > planned["comp_state"]  # its state landed, unmarked
+    retried = run_batch(chosen, spec, T0 + timedelta(minutes=2), spark=spark, validate=True)
+    assert retried.counts["productions"] and retried.quality.ok
+    assert retried.quality.suites == {"millpond_stream_anomalies": True}
+    last = run_batch(chosen, spec, T0 + timedelta(minutes=3), spark=spark)
+    assert [r.engine for r in (first, retried, last)] == ["spark/plan"] * 3
+    assert snapshot(tables, name, across_engines=True) == snapshot(tables, zeitgeist_reference, across_engines=True)
 
 
 @pytest.mark.parametrize("step", ["comp_state", "timers", "produce_anomalies", "watermarks"])

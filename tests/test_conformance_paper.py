@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from engines import ONE_TASK, PLAN, on, same_tables
 from millpond.model.spec import pipeline_from_dict
 from millpond.surface.replay import read_events, replay
 
@@ -143,24 +144,46 @@ def test_fig14_sessions_retracting_via_cli(settings, tmp_path) -> None:
     assert sorted(v for v in final.values() if v) == [12, 39]
 
 
-@pytest.mark.parametrize(("partitions", "one_task"), [(3, False), (1, True)], ids=["plan-3", "one_task"])
-def test_fig14_on_spark_matches_driver_path(settings, spark, tables, pipeline_name, monkeypatch, partitions,
-                                            one_task) -> None:
-    """The Spark engine gives the same tables at any parallelism (the batch's shuffle width is its size's, capped
-    by ``spark.shuffle_partitions``: one row per task makes the cap the width here; a plan of one partition is
+def _fig14_doc(name: str) -> dict:
+    return {"name": name, "window": {"type": "sessions", "gap": "1m"},
+            "trigger": "SequenceOf(RepeatUntil(AtPeriod('1m'), AtWatermark()), Repeat(AtWatermark()))",
+            "accumulation": "accumulating_and_retracting", "aggregation": "sum", "allowed_lateness": "10m",
+            "batch_interval": "1m", "watermark": EXPLICIT, "source": {"prefix": f"replay/{name}/"}}
+
+
+@pytest.fixture(scope="module")
+def fig14_local(settings) -> str:
+    """Figure 14 on the local engine: the pipeline whose tables every engine's must equal."""
+    import uuid
+
+    name = f"t_fig14_{uuid.uuid4().hex[:8]}"
+    replay(on(settings, "local"), pipeline_from_dict(_fig14_doc(name)), EVENTS)
+    return name
+
+
+@pytest.mark.parametrize(("engine", "partitions", "one_task"),
+                         [("local", None, False), ("spark", 3, False), ("spark", 1, True)],
+                         ids=["local", "spark-plan-3", "spark-one_task"])
+def test_fig14_gives_the_same_tables_on_every_engine(settings, tables, fig14_local, pipeline_name, monkeypatch,
+                                                     request, engine, partitions, one_task) -> None:
+    """Figure 14's panes, current view and state on the local engine; the Spark engine gives the same tables
+    (``engines.same_tables``) at any parallelism (the batch's shuffle width is its size's, capped by
+    ``spark.shuffle_partitions``: one row per task makes the cap the width here; a plan of one partition is
     ``tests/test_cores.py``'s), and as a small batch's one task."""
     from millpond.runtime.engines import spark_batch
+    from millpond.surface.replay import read_panes
 
-    monkeypatch.setattr(spark_batch, "ROWS_PER_TASK", 1)
-    doc = {"name": pipeline_name, "window": {"type": "sessions", "gap": "1m"},
-           "trigger": "SequenceOf(RepeatUntil(AtPeriod('1m'), AtWatermark()), Repeat(AtWatermark()))",
-           "accumulation": "accumulating_and_retracting", "aggregation": "sum", "allowed_lateness": "10m",
-           "batch_interval": "1m", "watermark": EXPLICIT, "source": {"prefix": f"replay/{pipeline_name}/"}}
-    on_spark = settings.with_overrides(engine="spark", engine_local_below=0, spark_shuffle_partitions=partitions,
-                                       engine_one_task_below=10**6 if one_task else 0)
-    panes = replay(on_spark, pipeline_from_dict(doc), EVENTS, spark=spark)
+    name = fig14_local
+    if engine == "spark":
+        monkeypatch.setattr(spark_batch, "ROWS_PER_TASK", 1)
+        name = pipeline_name
+        on_spark = on(settings, "spark", ONE_TASK if one_task else PLAN, spark_shuffle_partitions=partitions)
+        replay(on_spark, pipeline_from_dict(_fig14_doc(name)), EVENTS, spark=request.getfixturevalue("spark"))
+    panes = read_panes(settings, name)
     assert [(p["batch"], p["window_start"][11:19], p["kind"][0], p["value"], p["timing"]) for p in panes] == FIG14
-    current = tables.read_arrow(pipeline_name, "current").sort_by("window_start").to_pylist()
+    current = tables.read_arrow(name, "current").sort_by("window_start").to_pylist()
     assert [(c["window_start"].strftime("%H:%M:%S"), c["value"]) for c in current] == [
         ("12:00:26", 39), ("12:06:00", 12)]
-    assert tables.read_arrow(pipeline_name, "windows").num_rows == 0  # all garbage-collected at the end
+    assert tables.read_arrow(name, "windows").num_rows == 0  # all garbage-collected at the end
+    if engine == "spark":
+        same_tables(tables, fig14_local, name)

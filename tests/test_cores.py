@@ -85,8 +85,7 @@ def _tables(tables, name: str) -> dict[str, list]:
     out = {}
     for table in ("panes", "current", "windows", "late", "seen_ids", "batches"):
         t = tables.read_arrow(name, table, schema=pa.schema([]))
-        if "phases" in t.column_names:
-            t = t.drop(["phases", "versions"])
+        t = t.drop([c for c in ("phases", "versions", "engine", "strategy") if c in t.column_names])
         out[table] = sorted(repr(sorted(r.items())) for r in t.to_pylist())
     return out
 

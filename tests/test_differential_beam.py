@@ -12,6 +12,9 @@ Beam (2.77, BundleBasedDirectRunner + TestStream) runs in its own virtualenv
    replay CLI and Beam; pane lists per (key, window) must agree on value, timing, pane_index,
    is_last and emission processing time. Only combinations Beam gets right are generated (see
    the "known bugs" list in the module docstring of beam_runner.py and ``generate_scenario``).
+   Each runs on both engines (``engine``): the local one by the replay CLI, the Spark one in this process
+   (the session's ``spark``, one Spark task a batch), whose tables must be the local engine's
+   (``tests/engines.py``: panes, current, windows, seen_ids, late, quarantine, markers apart from timings).
 3. Properties of our output alone for accumulating_and_retracting (Beam has no such mode): per
    window values minus retractions equal the accumulating result, live sessions of a key never
    overlap, discarding panes add up to the accumulating result.
@@ -38,6 +41,8 @@ from typing import Any
 
 import pytest
 import yaml
+from engines import ENGINES, ONE_TASK, on, same_tables
+from millpond.lake.tables import Tables
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = Path(__file__).resolve().parent / "reference"
@@ -147,13 +152,14 @@ def run_beam(beam_python: Path, scenario: Scenario, folder: Path, *extra: str) -
     return BeamResult("ok", [json.loads(line) for line in out.read_text().splitlines() if line.strip()], err)
 
 
-def run_engine(scenario: Scenario, folder: Path) -> list[dict[str, Any]]:
-    """Our replay CLI as a subprocess (the `settings` fixture points the environment at a store)."""
+def run_engine(scenario: Scenario, folder: Path, name: str | None = None) -> list[dict[str, Any]]:
+    """Our replay CLI as a subprocess (the `settings` fixture points the environment at a store, and its engine
+    at local); ``name``: its tables' (default: the CLI's own)."""
     p, e = scenario.write(folder)
     out = folder / "engine.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "millpond", "replay", "--pipeline", str(p), "--events", str(e), "--out", str(out),
-         *scenario.cli_args()],
+         *scenario.cli_args(), *(["--name", name] if name else [])],
         capture_output=True,
         text=True,
         timeout=600,
@@ -167,6 +173,41 @@ def run_engine(scenario: Scenario, folder: Path) -> list[dict[str, Any]]:
             + "\n".join(proc.stderr.splitlines()[-25:])
         )
     return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+
+def run_engine_on_spark(settings, spark, scenario: Scenario, folder: Path, name: str, strategy: str = ONE_TASK
+                        ) -> list[dict[str, Any]]:
+    """Our replay on the Spark engine in this process (the session's ``spark``), as ``strategy``: its panes as the
+    CLI writes them."""
+    from millpond.model.timeutil import to_us
+    from millpond.surface.replay import load_scenario_pipeline, read_events, replay
+
+    p, e = scenario.write(folder)
+    panes = replay(on(settings, "spark", strategy), load_scenario_pipeline(p, name), read_events(e),
+                   start=to_us(scenario.start) if scenario.start else None, spark=spark)
+    return [json.loads(json.dumps(pane, sort_keys=True)) for pane in panes]
+
+
+#: our runs of the scenarios: (scenario, engine) -> (its tables' name, its panes), shared by a scenario's tests
+_OURS: dict[tuple[str, str], tuple[str, list[dict[str, Any]]]] = {}
+#: Beam's runs of the scenarios, shared by a scenario's tests
+_BEAM: dict[str, BeamResult] = {}
+
+
+def ours(scenario: Scenario, folder: Path, engine: str, request) -> tuple[str, list[dict[str, Any]]]:
+    """Our run of ``scenario`` on ``engine`` (once per scenario and engine): the local engine's by the replay CLI,
+    the Spark engine's in this process; (its tables' name, its panes)."""
+    import uuid
+
+    key = (scenario.name, engine)
+    if key not in _OURS:
+        name = f"d_{scenario.name}_{engine}_{uuid.uuid4().hex[:6]}"
+        if engine == "local":
+            _OURS[key] = name, run_engine(scenario, folder / "engine", name)
+        else:
+            _OURS[key] = name, run_engine_on_spark(request.getfixturevalue("settings"),
+                                                   request.getfixturevalue("spark"), scenario, folder / "spark", name)
+    return _OURS[key]
 
 
 def _keep(scenario: Scenario, folder: Path) -> Path:
@@ -684,25 +725,35 @@ def beam_env_duration_us(value: Any) -> int:
     return parse_duration(value)
 
 
-def _differential(beam_python: Path, scenario: Scenario, folder: Path) -> None:
-    beam = run_beam(beam_python, scenario, folder / "beam")
+def _differential(beam_python: Path, scenario: Scenario, folder: Path, engine: str = "local", request=None) -> None:
+    """Our engine's panes against Beam's; on the Spark engine, first its tables against the local engine's
+    (identical: ``engines.same_tables``; Beam has no say in that)."""
+    if engine == "spark":
+        local, _ = ours(scenario, folder, "local", request)
+        on_spark, _ = ours(scenario, folder, "spark", request)
+        same_tables(Tables(request.getfixturevalue("settings")), local, on_spark)
+    if scenario.name not in _BEAM:
+        _BEAM[scenario.name] = run_beam(beam_python, scenario, folder / "beam")
+    beam = _BEAM[scenario.name]
     if beam.status != "ok":
         pytest.skip(f"{scenario.name}: Beam cannot serve as reference ({beam.status}): {beam.stderr[-300:]}")
-    engine = run_engine(scenario, folder / "engine")
-    problems = diff_panes(java_semantics(beam.panes, scenario.spec), engine)
+    _, engine_panes = ours(scenario, folder, engine, request)
+    problems = diff_panes(java_semantics(beam.panes, scenario.spec), engine_panes)
     if problems:
         keep = _keep(scenario, folder)
         pytest.fail(
-            f"engine and Beam disagree on {scenario.name} (files in {keep}; compared per (key, window): "
+            f"engine ({engine}) and Beam disagree on {scenario.name} (files in {keep}; compared per (key, window): "
             f"{', '.join(COMPARED)}; Beam's is_last corrected at GC time):\n{describe(scenario)}\n"
             + "\n".join(problems),
             pytrace=False,
         )
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("seed", range(SEED, SEED + N_RANDOM))
-def test_differential_random(beam_python, settings, tmp_path, seed):
-    _differential(beam_python, generate_scenario(seed), tmp_path)
+def test_differential_random(beam_python, settings, tmp_path, seed, engine, request):
+    """A random scenario on ``engine`` against Beam; on Spark (one task a batch), the local engine's tables."""
+    _differential(beam_python, generate_scenario(seed), tmp_path, engine, request)
 
 
 TRANSCRIPTS_FOR_DIFF = [
@@ -717,13 +768,15 @@ trigger leaving data past GC: Beam Python stalls), and bad_*/missing_* (negative
 own harness)."""
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", TRANSCRIPTS_FOR_DIFF)
-def test_differential_transcript(beam_python, settings, tmp_path, name):
+def test_differential_transcript(beam_python, settings, tmp_path, name, engine, request):
+    """A transcript of Beam's on ``engine`` against Beam; on Spark (one task a batch), the local engine's tables."""
     case = next((c for c in load_transcripts(beam_python) if c.get("name") == name), None)
     assert case is not None, f"transcript {name} not in this Beam version"
     scenario, _, why = translate_transcript(case)
     assert scenario is not None, why
-    _differential(beam_python, scenario, tmp_path)
+    _differential(beam_python, scenario, tmp_path, engine, request)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -55,8 +55,8 @@ def test_spark_with_no_server_is_one_line_that_says_what_to_do() -> None:
 @pytest.mark.unit
 def test_the_summary_names_the_engine_that_ran() -> None:
     at = datetime(2026, 1, 1, 12, tzinfo=UTC)
-    assert "; engine spark; plan 0.10s" in BatchResult("p", 1, at, at, {"input": 1}, {"plan": 0.1},
-                                                       engine="spark").summary()
+    assert "; engine spark/plan; plan 0.10s" in BatchResult("p", 1, at, at, {"input": 1}, {"plan": 0.1},
+                                                            engine="spark/plan").summary()
     assert "engine" not in BatchResult("p", 1, at, at, skipped=True, reason="done").summary()
 
 
@@ -115,4 +115,8 @@ def test_batch_told_local_runs_in_process_where_the_deployment_says_spark(settin
                                     body.encode())
     assert main(["batch", str(conf), "--at", "2026-01-01T12:03:00Z", "--engine", "local"]) == 0
     summary = capsys.readouterr().out.strip().splitlines()[-1]
-    assert "input 3, accepted 3" in summary and "; engine local; " in summary, summary
+    assert "input 3, accepted 3" in summary and "; engine local/in-process; " in summary, summary
+    from millpond.surface.inputs import history
+
+    marker = history(settings, pipeline_name)[0].select(["engine", "strategy"]).to_pylist()
+    assert marker == [{"engine": "local", "strategy": "in-process"}]  # the marker names what ran

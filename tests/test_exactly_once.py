@@ -1,17 +1,22 @@
-"""MillWheel's exactly-once on Delta: crashes at every commit boundary, a vanishing store, two
-concurrent runs. After recovery every table equals the one an uninterrupted run produced."""
+"""MillWheel's exactly-once on Delta: crashes at every commit boundary and at random moments, a vanishing store,
+two concurrent runs. After recovery every table equals the one an uninterrupted run produced, on either engine:
+the local engine's and the Spark engine's tables are the same (``tests/engines.py``). On Spark, a command is a
+Spark Connect client of the session's server (``spark_connect``), as an Airflow task is, and what is killed is
+that client; the in-process tests use the session's classic ``spark``."""
 
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from engines import ENGINES, ONE_TASK, assert_same, command_env, on, snapshot
 from millpond.errors import LeaseLost, MillpondError
-from millpond.lake.schemas import OUTPUT_TABLES
 from millpond.lake.tables import Tables
 from millpond.orchestration.store import EmbeddedStore
 from millpond.runtime import commits
@@ -21,58 +26,143 @@ from millpond.surface.replay import load_scenario_pipeline, read_events, replay
 SCENARIO = Path(__file__).parent / "scenarios"
 PIPELINE = SCENARIO / "exactly_once.yaml"
 EVENTS = SCENARIO / "exactly_once.jsonl"
-TABLES = (*OUTPUT_TABLES, "batches")
 STEPS = ["ingest_log", "quarantine", "seen_ids", "late", "panes", "current", "windows", "batches"]
 
 
-def snapshot(tables: Tables, pipeline: str) -> dict[str, list]:
-    """Every table's rows, order-free, without timings (the only non-deterministic column)."""
-    out = {}
-    for name in TABLES:
-        t = tables.read_arrow(pipeline, name, schema=pa.schema([]))
-        if "phases" in t.column_names:
-            t = t.drop(["phases"])
-        out[name] = sorted(repr(sorted(r.items())).replace(pipeline, "<pipeline>") for r in t.to_pylist())
-    return out
+def _connect(request, engine: str):
+    """The session's Connect server for a command on the Spark engine (started on first use); None on local."""
+    return request.getfixturevalue("spark_connect") if engine == "spark" else None
 
 
-def replay_cli(name: str, env_extra: dict[str, str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MILLPOND_RUN_ID": f"retry-of-{name}", **env_extra}
+def replay_cli(name: str, env_extra: dict[str, str], engine: str = "local",
+               connect=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **command_env(engine, connect), "MILLPOND_RUN_ID": f"retry-of-{name}", **env_extra}
     return subprocess.run([sys.executable, "-m", "millpond", "replay", "--pipeline", str(PIPELINE), "--events",
                            str(EVENTS), "--name", name, "--out", os.devnull], capture_output=True, text=True,
                           env=env, timeout=300)
 
 
+def ran_on(out: subprocess.CompletedProcess, engine: str) -> list[str]:
+    """The batches' summary lines of a command that ran batches, each naming ``engine``."""
+    lines = [line for line in out.stderr.splitlines() if " batch " in line and " @ " in line]
+    assert lines and all(f"; engine {engine}" in line for line in lines), out.stderr[-2000:]
+    return lines
+
+
 @pytest.fixture(scope="module")
 def reference(settings, tables) -> dict[str, list]:
+    """The scenario's tables after an uninterrupted run on the local engine."""
     name = "eo_reference"
     spec = load_scenario_pipeline(PIPELINE, name)
-    replay(settings, spec, read_events(EVENTS))
+    replay(on(settings, "local"), spec, read_events(EVENTS))
     snap = snapshot(tables, name)
     # The scenario exercises every kind of write in batch 3.
     assert snap["quarantine"] and snap["late"] and any("retraction" in r for r in snap["panes"])
     return snap
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("step", STEPS)
-def test_sigkill_after_each_commit_then_rerun_converges(settings, tables, reference, step) -> None:
-    name = f"eo_kill_{step}"
-    crashed = replay_cli(name, {"MILLPOND_CRASH_AFTER": step, "MILLPOND_CRASH_BATCH": "3"})
+def test_sigkill_after_each_commit_then_rerun_converges(settings, tables, reference, step, engine, request) -> None:
+    """SIGKILL right after each commit of batch 3 (no cleanup), then a rerun: the local engine's uninterrupted
+    tables. On Spark each batch is one Spark task (``test_sigkill_at_random_points_then_retry_converges`` kills
+    the multi-stage plan)."""
+    connect = _connect(request, engine)
+    name = f"eo_kill_{engine}_{step}"
+    crashed = replay_cli(name, {"MILLPOND_CRASH_AFTER": step, "MILLPOND_CRASH_BATCH": "3"}, engine, connect)
     assert crashed.returncode == -9, crashed.stderr[-2000:]  # killed mid-batch, no cleanup
     done = tables.read_arrow(name, "batches", schema=pa.schema([("batch", pa.int64())]))
     assert max(done.column("batch").to_pylist()) == (3 if step == "batches" else 2)
-    rerun = replay_cli(name, {})
+    rerun = replay_cli(name, {}, engine, connect)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
-    assert snapshot(tables, name) == reference
+    ran_on(rerun, engine)
+    assert_same(reference, snapshot(tables, name), f"{engine}, killed after {step}")
 
 
-def test_store_stopped_mid_batch(tmp_path, monkeypatch, reference) -> None:
+#: a batch's client that logs its progress, line by line, on stdout (where the test kills it); on Spark, its
+#: batch ``argv[4]`` runs as the multi-stage plan and the others as one task each
+PROGRESS_CLIENT = """
+import logging, sys
+from millpond.config import load_settings
+from millpond.runtime.engines import choose
+from millpond.surface import replay as r
+name, pipeline, events, plan_batch = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+log = logging.getLogger("millpond.batch")
+log.setLevel(logging.INFO)
+log.addHandler(logging.StreamHandler(sys.stdout))
+settings, spark = choose(load_settings())
+real, calls = r.run_batch, []
+def run_batch(s, spec, *args, **kwargs):  # replay runs the batches in order, one call each
+    calls.append(1)
+    return real(s.with_overrides(engine_one_task_below=0 if len(calls) == plan_batch else 10**9), spec, *args,
+                **kwargs)
+r.run_batch = run_batch
+r.replay(settings, r.load_scenario_pipeline(pipeline, name), r.read_events(events), spark=spark,
+         log=lambda line: print(line, flush=True))
+print("finished", flush=True)
+"""
+#: where in batch 3 a kill comes: a seeded delay after its progress log says one of these (its reads and dedup;
+#: its per-key step and writes: on Spark both are Spark jobs; its Delta commits)
+KILL_AFTER = ("ingest started", "watermark done", "commit started")
+SEED = int(os.environ.get("MILLPOND_KILL_SEED", "36"))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_sigkill_at_random_points_then_retry_converges(settings, tables, reference, engine, request) -> None:
+    """The client of batch 3 SIGKILLed at random moments, three times over (in its reads, in its per-key step
+    and writes, in its commits), each retry redoing the batch from its committed plan; the last one finishes
+    with the local engine's uninterrupted tables. On Spark, batch 3 runs as the multi-stage plan (the others as
+    one task each), and the first two kills come while a Spark job of it runs on the server: the client dies
+    mid-job, the job's files are never committed. ``MILLPOND_KILL_SEED`` picks the moments."""
+    connect = _connect(request, engine)
+    rng = random.Random(f"{SEED}-{engine}")
+    name = f"eo_random_{engine}"
+    env = {**os.environ, **command_env(engine, connect), "MILLPOND_RUN_ID": f"retry-of-{name}",
+           "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-c", PROGRESS_CLIENT, name, str(PIPELINE), str(EVENTS), "3"]
+    killed = []
+    for trigger in KILL_AFTER:
+        delay = rng.uniform(0.0, 0.2 if engine == "spark" else 0.05)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            seen = []
+            for line in proc.stdout:
+                seen.append(line.rstrip())
+                if line.startswith(f"{name} batch 3: {trigger}"):
+                    break
+            else:
+                pytest.fail(f"no '{trigger}' in batch 3's progress: {seen[-20:]} {proc.stderr.read()[-2000:]}")
+            time.sleep(delay)
+            # on Spark, before the commits: at the first moment after that a job of the batch runs on the server
+            in_job = connect.wait_for_a_job(60.0) if connect is not None and trigger != "commit started" else None
+            proc.kill()
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=60)
+            proc.stdout.close()
+            proc.stderr.close()
+        assert proc.returncode == -9, f"the client ended before the kill ({trigger} + {delay:.3f}s): {seen[-5:]}"
+        killed.append((trigger, round(delay, 3), in_job))
+    if engine == "spark":  # the plan's jobs were running when their client died
+        assert [j for _, _, j in killed] == [True, True, None], killed
+    finished = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert finished.returncode == 0 and finished.stdout.rstrip().endswith("finished"), finished.stderr[-2000:]
+    summaries = [line for line in finished.stdout.splitlines() if " batch " in line and " @ " in line]
+    assert summaries and all(f"; engine {engine}" in line for line in summaries), summaries
+    assert_same(reference, snapshot(tables, name), f"{engine}, killed at {killed}")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_store_stopped_mid_batch(tmp_path, monkeypatch, reference, engine, request) -> None:
     """The store vanishes between two commits: a clear error, readers see whole batches only, and the
-    rerun after it returns converges to the same tables."""
+    rerun after it returns converges to the same tables, the local engine's. On Spark: one task a batch."""
     from conftest import free_store_env
     from millpond.config import load_settings
 
-    s = load_settings(env={**os.environ, **free_store_env(tmp_path)})
+    spark = request.getfixturevalue("spark") if engine == "spark" else None
+    s = on(load_settings(env={**os.environ, **free_store_env(tmp_path)}), engine, ONE_TASK)
     store = EmbeddedStore(s)
     store.start()
     try:
@@ -87,7 +177,7 @@ def test_store_stopped_mid_batch(tmp_path, monkeypatch, reference) -> None:
 
         monkeypatch.setattr(commits, "crash_point", stop_store)
         with pytest.raises(MillpondError, match="unreachable"):
-            replay(s, spec, events)
+            replay(s, spec, events, spark=spark)
         store.start()
         monkeypatch.setattr(commits, "crash_point", real)
         # A reader pinned to the last committed batch sees batch 2 only, though batch 3's panes landed.
@@ -96,27 +186,48 @@ def test_store_stopped_mid_batch(tmp_path, monkeypatch, reference) -> None:
         latest = tables.read_arrow("eo_store", "panes")
         assert set(pinned.column("batch").to_pylist()) == {1, 2}
         assert 3 in set(latest.column("batch").to_pylist())
-        replay(s, spec, events)
-        assert snapshot(tables, "eo_store") == reference
+        replay(s, spec, events, spark=spark)
+        assert_same(reference, snapshot(tables, "eo_store"), engine)
     finally:
         store.stop()
 
 
-def test_two_runs_at_once_exactly_one_commits(settings, tables, pipeline_name, tmp_path) -> None:
-    """Two processes run the same batch: one holds the lease and commits, the other stops clearly."""
-    import time
-
+def _one_batch(settings, tmp_path: Path, name: str) -> Path:
+    """A pipeline of the scenario's, its first event landed: its file, for `millpond batch`."""
     import yaml
-
-    conf = tmp_path / "p.yaml"
-    doc = yaml.safe_load(PIPELINE.read_text())
-    conf.write_text(yaml.safe_dump({**doc, "name": pipeline_name, "source": {"prefix": f"{pipeline_name}/"}}))
     from millpond.lake.objectstore import ObjectStore
 
-    ObjectStore(settings).put_bytes(settings.bucket_landing, f"{pipeline_name}/arrival=20260101T120000Z-a.jsonl",
+    conf = tmp_path / f"{name}.yaml"
+    doc = yaml.safe_load(PIPELINE.read_text())
+    conf.write_text(yaml.safe_dump({**doc, "name": name, "source": {"prefix": f"{name}/"}}))
+    ObjectStore(settings).put_bytes(settings.bucket_landing, f"{name}/arrival=20260101T120000Z-a.jsonl",
                                     EVENTS.read_bytes().splitlines(keepends=True)[0])
-    cmd = [sys.executable, "-m", "millpond", "batch", str(conf), "--at", "2026-01-01T12:01:00Z"]
-    env = {k: v for k, v in os.environ.items() if k != "MILLPOND_RUN_ID"}
+    return conf
+
+
+ONE_BATCH_AT = "2026-01-01T12:01:00Z"
+
+
+@pytest.fixture(scope="module")
+def one_batch_reference(settings, tables, tmp_path_factory) -> dict[str, list]:
+    """That batch's tables, run once on the local engine."""
+    from millpond.config.pipelines import pipeline_named
+    from millpond.runtime.job import run_batch
+
+    conf = _one_batch(settings, tmp_path_factory.mktemp("once"), "eo_once_reference")
+    run_batch(on(settings, "local"), pipeline_named(settings.conf_dir, str(conf)), ONE_BATCH_AT)
+    return snapshot(tables, "eo_once_reference")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_runs_at_once_exactly_one_commits(settings, tables, pipeline_name, tmp_path, one_batch_reference,
+                                              engine, request) -> None:
+    """Two processes run the same batch: one holds the lease and commits, the other stops clearly; the tables
+    are one run's, the local engine's. On Spark both are Connect clients, the batch one Spark task."""
+    connect = _connect(request, engine)
+    conf = _one_batch(settings, tmp_path, pipeline_name)
+    cmd = [sys.executable, "-m", "millpond", "batch", str(conf), "--at", ONE_BATCH_AT]
+    env = {k: v for k, v in os.environ.items() if k != "MILLPOND_RUN_ID"} | command_env(engine, connect, ONE_TASK)
     slow = subprocess.Popen(cmd, env={**env, "MILLPOND_PAUSE_AFTER": "ingest_log", "MILLPOND_PAUSE_S": "8"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
@@ -126,12 +237,14 @@ def test_two_runs_at_once_exactly_one_commits(settings, tables, pipeline_name, t
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     out, err = slow.communicate(timeout=120)
     assert slow.returncode == 0, err[-2000:]
+    assert f"; engine {engine}" in out, out
     assert second.returncode == 1
     message = second.stderr.strip()
     assert "\n" not in message and "is being run by" in message and "stops without writing" in message
     assert tables.read_arrow(pipeline_name, "batches").num_rows == 1
     assert tables.read_arrow(pipeline_name, "ingest_log").num_rows == 1
     assert tables.read_arrow(pipeline_name, "panes").num_rows == 1  # applied once
+    assert_same(one_batch_reference, snapshot(tables, pipeline_name), engine)
 
 
 def test_zombie_loses_its_lease(settings, pipeline_name) -> None:

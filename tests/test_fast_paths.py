@@ -24,7 +24,7 @@ from millpond.model.triggers import merge_states, parse_trigger
 from millpond.model.windows import Sessions, Window
 from millpond.runtime import layout
 from millpond.runtime.assembly import Assembly, key_rows, strategy_of
-from millpond.runtime.engines.local import LocalEngine
+from millpond.runtime.engines.local import KeysOnCores
 from millpond.runtime.layout import EVENT_COLUMNS
 
 MIN = 60_000_000
@@ -196,7 +196,7 @@ def _run_tables(spec: str, batches: list[tuple[BatchClock, dict[str, list[Elemen
     types = {"id": pa.string(), "key": pa.string(), "value": value}
     schema = pa.schema([(c, types.get(c, pa.int64())) for c in EVENT_COLUMNS])
     stored: dict[tuple[str, int, int], dict[str, Any]] = {}
-    engine = LocalEngine(load_settings(env={}).with_overrides(driver_workers=0, columnar_windows=columnar))
+    engine = KeysOnCores(load_settings(env={}).with_overrides(driver_workers=0, columnar_windows=columnar))
     out = []
     for clock, by_key in batches:
         events = pa.Table.from_pylist([el._asdict() for els in by_key.values() for el in els], schema=schema)

@@ -19,6 +19,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from millpond.lake.schemas import BATCHES_SCHEMA
+from millpond.lake.tables import Tables
 from millpond.orchestration.processes import free_port, read_pid
 from millpond.orchestration.spark_server import SparkConnectServer
 
@@ -188,7 +190,9 @@ def test_commands_run_on_the_deployments_connect_server_unless_told_local(connec
                         *forced, **env)
         assert out.returncode == 0, out.stderr[-2000:]
         summary = out.stdout.strip().splitlines()[-1]
-        assert "input 12, accepted 12" in summary and f"; engine {engine}; " in summary, summary
+        assert "input 12, accepted 12" in summary and f"; engine {engine}/" in summary, summary
+        marker = Tables(local).read_arrow(name, "batches", schema=BATCHES_SCHEMA).select(["engine", "strategy"])
+        assert marker.to_pylist() == [{"engine": engine, "strategy": "one-task" if engine == "spark" else "in-process"}]
         after = _jobs_settled(server.ui_url, at_least=before + 1 if engine == "spark" else None)
         # on spark, the batch was Spark jobs on this server; told local, it ran none there
         assert after > before if engine == "spark" else after == before, (engine, before, after)
@@ -202,7 +206,7 @@ def test_commands_run_on_the_deployments_connect_server_unless_told_local(connec
                         **env | {"MILLPOND_ENGINE": "local" if engine == "spark" else "spark"})
         assert out.returncode == 0, out.stderr[-2000:]
         summaries = [line for line in out.stderr.splitlines() if " batch " in line and " @ " in line]
-        assert summaries and all(f"; engine {engine}; " in line for line in summaries), out.stderr[-2000:]
+        assert summaries and all(f"; engine {engine}/" in line for line in summaries), out.stderr[-2000:]
         panes[engine] = out.stdout.replace(f"{pipeline_name}_r{engine[0]}", "P")
         after = _jobs_settled(server.ui_url, at_least=before + 1 if engine == "spark" else None)
         assert after > before if engine == "spark" else after == before, (engine, before, after)
@@ -263,3 +267,32 @@ def test_connect_server_starts_answers_clients_fails_a_frozen_batch_in_time_and_
         assert server.stop() is True
     assert server.status() == "spark: stopped"
     assert group_members(group) == []  # the driver program too, though its JVM left first
+
+
+def test_every_shipped_pipeline_runs_as_spark_jobs(connect_server) -> None:
+    """`millpond run --direct` (what `make run` runs when Airflow is not up; a DAG task runs the same batch) with
+    engine spark: the batches of all five shipped pipelines (two windowed landing pipelines, a stage over
+    video_sessions' panes, Zeitgeist's counter and its MillWheel model computation over the counter's panes) are
+    Spark jobs on the deployment's Connect server: every marker names the Spark engine and its strategy."""
+    from millpond.config.pipelines import load_pipelines
+    from millpond.lake.objectstore import ObjectStore
+
+    local, server = connect_server.settings, connect_server.server
+    buckets = {"bucket_landing": "shipped-landing", "bucket_lake": "shipped-lake"}  # the shipped names, alone here
+    ObjectStore(local.with_overrides(**buckets)).ensure_buckets()
+    env = {"MILLPOND_ENGINE": "spark", "MILLPOND_SPARK_CONNECT": local.spark_connect_url,
+           "MILLPOND_SPARK_CONNECT_TOKEN": server.token_file.read_text().strip(),
+           "MILLPOND_BUCKET_LANDING": buckets["bucket_landing"], "MILLPOND_BUCKET_LAKE": buckets["bucket_lake"]}
+    before = _jobs_settled(server.ui_url)
+    out = _millpond("run", "--direct", "--batches", "2", **env)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
+    tables = Tables(local.with_overrides(**buckets))
+    shipped = sorted(load_pipelines())
+    assert len(shipped) == 5, shipped
+    ran = {name: tables.read_arrow(name, "batches", schema=BATCHES_SCHEMA).select(["engine", "strategy"]).to_pylist()
+           for name in shipped}
+    assert all(len(markers) == 2 and all(m["engine"] == "spark" and m["strategy"] in ("plan", "one-task")
+                                         for m in markers) for markers in ran.values()), ran
+    assert _jobs_settled(server.ui_url, at_least=before + 10) >= before + 10
+    assert tables.read_arrow("video_watch_hourly", "panes").num_rows
+    assert tables.read_arrow("zeitgeist", "batches").num_rows

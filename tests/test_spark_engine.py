@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from millpond.config.settings import PROJECT_ROOT
 from millpond.model.spec import pipeline_from_dict
+from millpond.orchestration import executor_env
 from millpond.orchestration.processes import free_port
 from millpond.orchestration.spark_server import SparkConnectServer, StandaloneCluster
 from millpond.surface.replay import read_events, replay
@@ -37,6 +39,25 @@ settings = load_settings().with_overrides(engine="spark", spark_connect=url, eng
 replay(settings, pipeline_from_dict(doc), read_events(events), spark=connect(settings))
 print("ok")
 """
+#: where each executor's Python workers run: their interpreter and the modules they import (as a client's
+#: function, pickled by value, sees them on the executor)
+PROBE = """
+import json, sys
+from millpond.config import load_settings
+from millpond.runtime.engines.spark_client import connect
+def where(batches):
+    import os, sys, pyarrow as pa, millpond, pyspark
+    for _ in batches:
+        yield pa.RecordBatch.from_pylist([{"python": sys.executable, "prefix": sys.prefix, "cwd": os.getcwd(),
+                                           "millpond": millpond.__file__, "pyarrow": pa.__file__,
+                                           "pyspark": pyspark.__file__}])
+spark = connect(load_settings().with_overrides(engine="spark", spark_connect=sys.argv[1]))
+rows = spark.range(0, 4, 1, 4).mapInArrow(where, ", ".join(f"{c} string" for c in
+                                          ("python", "prefix", "cwd", "millpond", "pyarrow", "pyspark"))).collect()
+print(json.dumps([r.asDict() for r in rows]))
+"""
+#: the executors' environment archive, kept across runs like the other test environments under var/
+EXECUTOR_CACHE = PROJECT_ROOT / "var" / "spark" / "executor-env"
 
 
 def _doc(name: str) -> dict:
@@ -46,7 +67,7 @@ def _doc(name: str) -> dict:
 
 def _table(tables, name: str, table: str) -> list[str]:
     t = tables.read_arrow(name, table, schema=pa.schema([]))
-    drop = [c for c in ("phases", "versions") if c in t.column_names]
+    drop = [c for c in ("phases", "versions", "engine", "strategy") if c in t.column_names]
     return sorted(repr(sorted(r.items())).replace(name, "P") for r in t.drop(drop).to_pylist())
 
 
@@ -76,13 +97,33 @@ def _cluster(settings, home: Path) -> Iterator[tuple[StandaloneCluster, str]]:
     master = cluster.start()
     server_settings = local.with_overrides(spark_connect_port=free_port(), spark_ui_port=free_port(),
                                            spark_master=master)
-    server = SparkConnectServer(server_settings)
+    server = SparkConnectServer(server_settings, executor_cache=EXECUTOR_CACHE)
     try:
         server.start()
         yield cluster, server_settings.spark_connect_url
     finally:
         server.stop()
         cluster.stop()
+
+
+def _assert_shipped_python(url: str, home: Path) -> None:
+    """Every probed Python worker ran the interpreter and packages its executor unpacked from the archive into
+    its work directory (``<home>/spark/work/<app>/<executor>/environment``), not this checkout's ``.venv``."""
+    out = subprocess.run([sys.executable, "-c", PROBE, url], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(rows) == 4
+    work, here = (home / "spark" / "work").resolve(), Path(sys.prefix).resolve()
+    for row in rows:
+        env = Path(row["cwd"]).resolve() / executor_env.ALIAS
+        assert Path(row["cwd"]).resolve().is_relative_to(work), row
+        assert Path(row["python"]).resolve() == env / "bin" / executor_env.VERSION, row
+        assert Path(row["prefix"]).resolve() == env, row
+        for module in ("millpond", "pyarrow"):
+            assert Path(row[module]).resolve().is_relative_to(env / "lib"), row
+            assert not Path(row[module]).resolve().is_relative_to(here), row
+        assert "pyspark.zip" in row["pyspark"], row  # the worker's Spark's own, not a copy in the archive
 
 
 def test_a_cluster_of_two_workers_matches_the_local_engine_even_when_one_is_killed(settings, tables, pipeline_name,
@@ -97,6 +138,7 @@ def test_a_cluster_of_two_workers_matches_the_local_engine_even_when_one_is_kill
     local = _local_run(settings, f"{pipeline_name}_local")
     name = f"{pipeline_name}_killed"
     with _cluster(settings, tmp_path) as (cluster, url):
+        _assert_shipped_python(url, tmp_path)
         _run_client(url, f"{pipeline_name}_cluster", settings.engine_one_task_below)
         _compare(tables, local, f"{pipeline_name}_cluster")
         client = subprocess.Popen([sys.executable, "-c", CLIENT, json.dumps(_doc(name)),

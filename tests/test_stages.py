@@ -11,6 +11,7 @@ import random
 from collections import defaultdict
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import yaml
 from millpond.config.pipelines import load_pipelines
@@ -39,6 +40,68 @@ def stage_doc(name: str, upstream: str | list[str], **changed) -> dict:
     return {"name": name, "source": {**source, "stream": "panes", "key": "all", "event_time": "window_start"},
             "window": {"type": "fixed", "size": "1h"}, "trigger": "AtWatermark(early=AtCount(1), late=AtCount(1))",
             "accumulation": "accumulating", "aggregation": "sum", "allowed_lateness": "1d", **changed}
+
+
+#: the Spark engine's strategies a stage's twin runs with (``engines.spark``), forced by the one-task threshold;
+#: ``alternating``: one task, then the plan, and so on (a strategy is chosen per batch: both read what the other
+#: wrote). Batches of the plan cost several Spark jobs each: the scenarios spend them where they test something.
+STRATEGIES = ("plan", "one-task", "alternating")
+
+
+class Engines:
+    """A stage and its twins on the Spark engine (same file, a name of their own) over the same upstream, each
+    batch run on every engine at the same processing time (issue 36: same tables, whatever the engine). The
+    scenario's checks read the local stage (``name``), the only one validated when a batch is (validation
+    changes no table); ``assert_same`` compares the twins' tables with it."""
+
+    def __init__(self, settings, spark, doc: dict, strategies: tuple[str, ...]) -> None:
+        assert set(strategies) <= set(STRATEGIES)
+        self.settings, self.spark = settings, spark
+        self.specs = {"local": pipeline_from_dict(doc)}
+        self.specs |= {s: pipeline_from_dict({**doc, "name": f"{doc['name']}_{s.replace('-', '_')}"})
+                       for s in strategies}
+        self.name = doc["name"]
+        self.runs = 0
+
+    def run(self, at, validate: bool = False):
+        """The stage's batch at ``at`` on every engine; the local engine's result."""
+        self.runs += 1
+        return {engine: self.run_on(engine, at, validate=validate and engine == "local")
+                for engine in self.specs}["local"]
+
+    def run_on(self, engine: str, at, validate: bool = False):
+        if engine == "local":
+            return run_batch(self.settings, self.specs[engine], at, validate=validate)
+        strategy = engine if engine != "alternating" else ("plan", "one-task")[self.runs % 2]
+        chosen = self.settings.with_overrides(engine="spark", engine_local_below=0,
+                                              engine_one_task_below=0 if strategy == "plan" else 10**9)
+        result = run_batch(chosen, self.specs[engine], at, spark=self.spark)
+        assert result.skipped or result.engine == f"spark/{strategy}", (result.engine, strategy)
+        return result
+
+    def fail(self, at, match: str) -> None:
+        """The batch at ``at`` fails the same way on every engine."""
+        self.runs += 1
+        for engine in self.specs:
+            with pytest.raises(MillpondError, match=match):
+                self.run_on(engine, at)
+
+    def assert_same(self, tables) -> None:
+        local = engine_tables(tables, self.name)
+        assert local["panes"] and local["seen_ids"]
+        for engine, spec in self.specs.items():
+            if engine != "local":
+                assert engine_tables(tables, spec.name) == local, engine
+
+
+def engine_tables(tables, name: str) -> dict[str, list[str]]:
+    """A stage's tables as sorted rows (its name as P; timings and the engine that ran apart)."""
+    out = {}
+    for table in ("panes", "current", "windows", "seen_ids", "late", "quarantine", "batches"):
+        t = tables.read_arrow(name, table, schema=pa.schema([]))
+        t = t.drop_columns([c for c in ("phases", "versions", "engine", "strategy") if c in t.column_names])
+        out[table] = sorted(repr(sorted(r.items())).replace(name, "P") for r in t.to_pylist())
+    return out
 
 
 # -- the pipeline file and the stage graph ------------------------------------------------------------------
@@ -141,10 +204,13 @@ def session_events(batch: int, rng: random.Random) -> list[tuple[str, int, int]]
     return out
 
 
-def test_sessions_then_totals_per_hour_match_a_computation_from_scratch(settings, tables, pipeline_name,
+def test_sessions_then_totals_per_hour_match_a_computation_from_scratch(settings, tables, pipeline_name, spark,
                                                                          monkeypatch) -> None:
+    """The stage's twin on Spark as one task gives the local stage's tables (the multi-stage plan: the tests
+    below, whose batches cost more there)."""
     up, down = f"{pipeline_name}_up", f"{pipeline_name}_down"
-    up_spec, down_spec = pipeline_from_dict(upstream_doc(up)), pipeline_from_dict(stage_doc(down, up))
+    up_spec, stage = pipeline_from_dict(upstream_doc(up)), Engines(settings, spark, stage_doc(down, up),
+                                                                   ("one-task",))
     rng = random.Random(23)
     expected: dict[int, dict[int, int]] = {}
     for batch in range(1, 11):
@@ -160,14 +226,13 @@ def test_sessions_then_totals_per_hour_match_a_computation_from_scratch(settings
                     raise MillpondError("injected failure")
 
             monkeypatch.setattr(commits, "crash_point", crash)
-            with pytest.raises(MillpondError, match="injected failure"):
-                run_batch(settings, down_spec, to_datetime(p))
+            stage.fail(to_datetime(p), "injected failure")
             monkeypatch.undo()
             continue
         if batch == 7:  # the retry of batch 6 reads the range its plan recorded: through upstream batch 6
-            run_batch(settings, down_spec, to_datetime(p - 15 * MINUTE))
+            stage.run(to_datetime(p - 15 * MINUTE))
             assert stage_view(tables, down) == expected[6]
-        result = run_batch(settings, down_spec, to_datetime(p))
+        result = stage.run(to_datetime(p))
         assert stage_view(tables, down) == expected[batch], batch
         up_marker = tables.read_arrow(up, "batches").sort_by("batch").to_pylist()[-1]
         assert result.watermark == up_marker["watermark"]  # the stage's watermark is its upstream's
@@ -177,6 +242,7 @@ def test_sessions_then_totals_per_hour_match_a_computation_from_scratch(settings
     assert len(expected[10]) >= 3  # several hours
     stage_marks = tables.read_arrow(down, "batches").to_pylist()
     assert sum(m["duplicates"] for m in stage_marks) == 0 and sum(m["late"] for m in stage_marks) == 0
+    stage.assert_same(tables)
 
 
 def fixed_doc(name: str, accumulation: str, lag: str) -> dict:
@@ -195,14 +261,19 @@ def totals_of(tables, upstreams: list[str]) -> dict[tuple[str, int], int]:
     return {k: v for k, v in totals.items() if v}
 
 
-def test_fan_in_over_accumulating_and_discarding_upstreams(settings, tables, pipeline_name, monkeypatch) -> None:
+def test_fan_in_over_accumulating_and_discarding_upstreams(settings, tables, pipeline_name, spark,
+                                                           monkeypatch) -> None:
     """A stage reads two upstreams (accumulating, discarding), keeps their keys, and takes the least of their
-    watermarks; an upstream batch whose panes landed but whose marker did not is not read until it commits."""
+    watermarks; an upstream batch whose panes landed but whose marker did not is not read until it commits. Its
+    twin on Spark (every other batch the multi-stage plan, which looks an accumulating upstream's previous panes
+    up on executors) gives the same tables."""
     a, b, both = f"{pipeline_name}_a", f"{pipeline_name}_b", f"{pipeline_name}_both"
     specs = {a: pipeline_from_dict(fixed_doc(a, "accumulating", "5m")),
              b: pipeline_from_dict(fixed_doc(b, "discarding", "20m"))}
-    stage = pipeline_from_dict(stage_doc(both, [a, b], source={"pipelines": [a, b], "stream": "panes"}))
-    assert (stage.upstream.key, stage.upstream.event_time) == ("keep", "window_end")
+    stage = Engines(settings, spark, stage_doc(both, [a, b], source={"pipelines": [a, b], "stream": "panes"}),
+                    ("alternating",))
+    upstream = stage.specs["local"].upstream
+    assert (upstream.key, upstream.event_time) == ("keep", "window_end")
     rng = random.Random(7)
     for batch in range(1, 8):
         p = T0 + batch * 10 * MINUTE
@@ -223,17 +294,18 @@ def test_fan_in_over_accumulating_and_discarding_upstreams(settings, tables, pip
             monkeypatch.undo()
             run_batch(settings, specs[b], to_datetime(p))
             # a stage batch before p reads neither a's uncommitted panes nor b's batch at p (after its time)
-            run_batch(settings, stage, to_datetime(p - 5 * MINUTE))
+            stage.run(to_datetime(p - 5 * MINUTE))
             assert stage_totals(tables, both) == before
         for name in (a, b):
             run_batch(settings, specs[name], to_datetime(p))
-        result = run_batch(settings, stage, to_datetime(p), validate=batch == 7)  # the DAGs validate
+        result = stage.run(to_datetime(p), validate=batch == 7)  # the DAGs validate
         assert stage_totals(tables, both) == totals_of(tables, [a, b]), batch
         marks = [tables.read_arrow(n, "batches").sort_by("batch").to_pylist()[-1]["watermark"] for n in (a, b)]
         assert result.watermark == min(marks) == marks[1]  # b's longer lag holds the stage back
     assert result.quality is not None and result.quality.ok, result.quality.summary()
     panes = tables.read_arrow(a, "panes")
     assert max(panes.column("pane_index").to_pylist()) >= 1  # accumulating windows fired more than once
+    stage.assert_same(tables)
 
 
 def stage_totals(tables, stage: str) -> dict[tuple[str, int], int]:
@@ -276,11 +348,12 @@ def test_an_upstream_reprocess_reaches_the_stage_as_retractions(settings, tables
     assert sum(m["duplicates"] for m in marks) == 0 and sum(m["late"] for m in marks) == 0
 
 
-def test_the_shipped_stage_reads_the_same_upstream_batches_live_or_in_a_backfill(settings, tables,
-                                                                                   pipeline_name) -> None:
+def test_the_shipped_stage_reads_the_same_upstream_batches_live_or_in_a_backfill(settings, tables, pipeline_name,
+                                                                                   spark) -> None:
     """The shipped video_watch_hourly over video_sessions (conf/pipelines, renamed here): run live, each stage
     batch right after its upstream's, and as a backfill after the upstream finished, a stage batch at
-    processing time P reads the upstream batches up to P only, so both give the same tables."""
+    processing time P reads the upstream batches up to P only, so both give the same tables. The backfill runs
+    on the Spark engine, with the shipped engine settings (``conf/millpond.yaml``), as `make run` would."""
     from millpond.examples.demo import land_demo_events
 
     shipped = load_pipelines()
@@ -297,11 +370,15 @@ def test_the_shipped_stage_reads_the_same_upstream_batches_live_or_in_a_backfill
         land_demo_events(settings, up, to_datetime(end - step), to_datetime(end))
         run_batch(settings, up, to_datetime(end))
         run_batch(settings, stage(live), to_datetime(end))
-    for end in ends:
-        run_batch(settings, stage(late), to_datetime(end))
+    on_spark = settings.with_overrides(engine="spark")  # the shipped thresholds (the session's settings load them)
+    for end in ends:  # small batches: one task each; the last validated, as a DAG run is: the plan
+        result = run_batch(on_spark, stage(late), to_datetime(end), spark=spark, validate=end == ends[-1])
+        assert result.engine == ("spark/plan" if end == ends[-1] else "spark/one-task"), result.engine
+    assert result.quality is not None and result.quality.ok, result.quality.summary()
+    timings = ("phases", "versions", "engine", "strategy")
     for table in ("panes", "current", "batches"):
         rows = {n: tables.read_arrow(n, table).drop_columns(
-            [c for c in ("phases", "versions") if c in tables.read_arrow(n, table).column_names]).to_pylist()
+            [c for c in timings if c in tables.read_arrow(n, table).column_names]).to_pylist()
             for n in (live, late)}
         assert sorted(rows[live], key=_canonical) == sorted(rows[late], key=_canonical), table
     assert tables.read_arrow(live, "panes").num_rows > 0
@@ -312,15 +389,18 @@ def _canonical(row: dict) -> str:
     return json.dumps(row, sort_keys=True, default=str)
 
 
-def _rewind_scenario(settings, tables, pipeline_name, steps: list[tuple]) -> tuple[str, str]:
+def _rewind_scenario(settings, tables, pipeline_name, steps: list[tuple], spark, strategy: str) -> tuple[str, str]:
     """Runs ``steps`` over an upstream of sessions and a stage of hourly totals: ("up", batch) lands that
     batch's events (once) and runs the upstream at its time; ("down", batch) runs the stage at that time;
     ("rewind", batch) rewinds the upstream to its batch at that time, with a late file landed into the past.
-    After every stage batch its view equals the totals computed from scratch from the upstream's current."""
+    After every stage batch its view equals the totals computed from scratch from the upstream's current; its
+    twin on Spark (``strategy``; the plan compares a rewind's two versions on executors) ends with the same
+    tables."""
     from millpond.runtime import rewind
 
     up, down = f"{pipeline_name}_up", f"{pipeline_name}_down"
-    up_spec, down_spec = pipeline_from_dict(upstream_doc(up)), pipeline_from_dict(stage_doc(down, up))
+    up_spec = pipeline_from_dict(upstream_doc(up))
+    stage = Engines(settings, spark, stage_doc(down, up), (strategy,))
     rng = random.Random(11)
     p = lambda batch: to_datetime(T0 + (batch + 1) * 15 * MINUTE)  # noqa: E731
     landed: set[int] = set()
@@ -335,8 +415,9 @@ def _rewind_scenario(settings, tables, pipeline_name, steps: list[tuple]) -> tup
                  T0 + 40 * MINUTE)
             rewind.run(settings, tables, up_spec, to_us(p(batch)), by="test")
         else:
-            run_batch(settings, down_spec, p(batch))
+            stage.run(p(batch))
             assert stage_view(tables, down) == from_scratch_at(tables, up, to_us(p(batch))), (i, what, batch)
+    stage.assert_same(tables)
     return up, down
 
 
@@ -353,27 +434,28 @@ def from_scratch_at(tables, upstream: str, processing_time: int) -> dict[int, in
     return {h: v for h, v in totals.items() if v}
 
 
-def test_a_stage_that_lags_keeps_the_upstream_panes_a_rewind_kept(settings, tables, pipeline_name) -> None:
+def test_a_stage_that_lags_keeps_the_upstream_panes_a_rewind_kept(settings, tables, pipeline_name, spark) -> None:
     """Issue 37 (2): the stage consumed through upstream batch 2; the upstream ran to 6, was rewound to 4 and
     redid 5 and 6. The panes of batches 3 and 4, which the rewind kept, were never read (521 vs 687)."""
     steps = [*(("up", b) for b in range(1, 7))]
     steps[2:2] = [("down", 1), ("down", 2)]
     steps += [("rewind", 4), ("up", 5), ("up", 6), ("down", 6)]
-    _rewind_scenario(settings, tables, pipeline_name, steps)
+    _rewind_scenario(settings, tables, pipeline_name, steps, spark, "plan")
 
 
-def test_two_rewinds_inside_one_stage_range(settings, tables, pipeline_name) -> None:
+def test_two_rewinds_inside_one_stage_range(settings, tables, pipeline_name, spark) -> None:
     """Issue 37 (2): two upstream rewinds (to 2, then to 4) between two stage batches."""
     steps = [("up", 1), ("down", 1), *(("up", b) for b in range(2, 7)), ("rewind", 2),
              *(("up", b) for b in range(3, 7)), ("rewind", 4), ("up", 5), ("up", 6), ("down", 6)]
-    _rewind_scenario(settings, tables, pipeline_name, steps)
+    _rewind_scenario(settings, tables, pipeline_name, steps, spark, "plan")
 
 
-def test_the_stage_batches_after_an_upstream_rewind_go_on(settings, tables, pipeline_name) -> None:
+def test_the_stage_batches_after_an_upstream_rewind_go_on(settings, tables, pipeline_name, spark) -> None:
     """Issue 37 (4): after an upstream rewind the stage's first batch took the rewind; its second, before the
     upstream committed again, failed with "was up reset?" and blocked the stage. Also: stage batches at times
     before the upstream's rewound batches, and a rewind to before the upstream's first batch."""
     steps = [("up", 1), ("down", 1), ("up", 2), ("down", 2), ("up", 3), ("up", 4), ("down", 4),
              ("rewind", 1), ("down", 5), ("down", 6), ("up", 2), ("down", 7), ("up", 3), ("up", 4),
              ("down", 8), ("rewind", -1), ("down", 9), ("down", 10), ("up", 1), ("up", 2), ("down", 11)]
-    _rewind_scenario(settings, tables, pipeline_name, steps)
+    # on Spark, alternately: the batch right after the rewind to before the upstream's first batch is the plan's
+    _rewind_scenario(settings, tables, pipeline_name, steps, spark, "alternating")

@@ -47,6 +47,8 @@ BATCHES_SCHEMA = pa.schema(
         ("skipped", pa.int64()),  # added later (null in rows written before): objects not taken, see the plan
         ("spec", pa.string()),  # added later: the pipeline's semantic spec (``model.versions``) the batch ran
         ("state_format", pa.int64()),  # added later: the state format it wrote (null: format 1)
+        ("engine", pa.string()),  # added later: the engine that ran the batch, local or spark (null: before)
+        ("strategy", pa.string()),  # added later: how it ran: in-process, plan or one-task
     ]
 )
 #: tables whose versions a batch's plan pins (its reads of state use them)

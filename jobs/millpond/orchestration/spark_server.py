@@ -27,6 +27,7 @@ from pathlib import Path
 
 from millpond.config import Settings
 from millpond.errors import MillpondError, PrerequisiteMissing
+from millpond.orchestration import executor_env
 from millpond.orchestration.processes import free_port, port_free, read_pid, run_dir, stop_group
 from millpond.prerequisites import require_java
 from millpond.runtime.engines.spark_client import token_file
@@ -95,9 +96,11 @@ def _listening(port: int) -> bool:
 class SparkConnectServer:
     """``spark-submit connect_driver.py`` as one process group, data and logs under ``var/``."""
 
-    def __init__(self, settings: Settings, master: str | None = None) -> None:
+    def __init__(self, settings: Settings, master: str | None = None, executor_cache: Path | None = None) -> None:
         self.settings = settings
         self.master = master or settings.spark_master
+        #: where the executors' environment archive is built and kept on a cluster (``orchestration.executor_env``)
+        self.executor_cache = executor_cache
         self.pidfile = run_dir(settings) / "spark-connect.pid"
         self.logfile = settings.home / "log" / "spark-connect.log"
 
@@ -151,13 +154,25 @@ class SparkConnectServer:
             "spark.jars.ivy": home / "spark" / "ivy",
             "spark.local.dir": home / "spark" / "local",
             "spark.sql.warehouse.dir": home / "spark" / "warehouse",
-            "spark.executorEnv.PYTHONPATH": spark_env(s)["PYTHONPATH"],
-            "spark.executorEnv.PYSPARK_PYTHON": sys.executable,
+            **self.executor_conf(),
         }
         args = [str(spark_home() / "bin" / "spark-submit"), "--master", self.master, "--name", "millpond-connect"]
         for key, value in conf.items():
             args += ["--conf", f"{key}={value}"]
         return [*args, str(DRIVER)]
+
+    @property
+    def on_cluster(self) -> bool:
+        """Executors on other hosts (``spark://``, ``k8s://``): they get Python from ``executor_env``."""
+        return not self.master.startswith("local")
+
+    def executor_conf(self) -> dict[str, object]:
+        """How executors run Millpond's Python: on ``local[*]`` this interpreter and checkout; on a cluster the
+        environment archive shipped to them (``spark.archives``), built first if missing."""
+        if self.on_cluster:
+            return dict(executor_env.spark_conf(self.settings, self.executor_cache))
+        return {"spark.executorEnv.PYTHONPATH": spark_env(self.settings)["PYTHONPATH"],
+                "spark.executorEnv.PYSPARK_PYTHON": sys.executable}
 
     def start(self, timeout: float = 120.0) -> bool:
         """Start if not running (idempotent); wait until a client can connect. True if started."""
@@ -173,6 +188,8 @@ class SparkConnectServer:
             (self.settings.home / sub).mkdir(parents=True, exist_ok=True)
         # the token through the environment (owner-only in /proc), not a --conf: every local user sees argv
         env = spark_env(self.settings) | {"SPARK_CONNECT_AUTHENTICATE_TOKEN": stack_token(self.settings)}
+        if self.on_cluster:  # Connect's planner names the executors' Python from this variable, not the conf
+            env["PYSPARK_PYTHON"] = executor_env.PYTHON
         with open(self.logfile, "ab") as log:
             proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True, cwd=self.settings.home)
@@ -216,10 +233,13 @@ class StandaloneCluster:
     def _launch(self, role: str, cls: str, *args: str) -> None:
         log = self.settings.home / "log" / f"{self.name}-{role}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
+        # as on another host: no path to this checkout or its interpreter (executors get the shipped environment)
+        env = {k: v for k, v in spark_env(self.settings).items()
+               if k not in ("PYTHONPATH", "PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "VIRTUAL_ENV")}
         with open(log, "ab") as out:
             proc = subprocess.Popen([str(spark_home() / "bin" / "spark-class"), cls, *args], stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                    env=spark_env(self.settings), cwd=self.settings.home)
+                                    env=env, cwd=self.settings.home)
         self.pidfile(role).write_text(str(proc.pid))
 
     def start(self, timeout: float = 90.0) -> str:

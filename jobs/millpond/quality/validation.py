@@ -157,10 +157,11 @@ def validate_batch(
 
 
 def validate_streams(settings: Settings, pipeline: str, batch: int, streams: dict[str, Any],
-                     render: bool = True, freshness: BatchFreshness | None = None) -> QualityReport:
-    """Validate what a MillWheel computation's batch produces (pandas frames by stream name) with the
-    committed suite of each stream that has one (``millpond_stream_<stream>``), and its ``freshness``; never
-    raises on bad data."""
+                     render: bool = True, freshness: BatchFreshness | None = None,
+                     engine: str = PANDAS) -> QualityReport:
+    """Validate what a MillWheel computation's batch produces (frames by stream name: pandas, or Spark
+    DataFrames with ``engine`` SPARK) with the committed suite of each stream that has one
+    (``millpond_stream_<stream>``), and its ``freshness``; never raises on bad data."""
     start = time.perf_counter()
     report = QualityReport(pipeline, batch)
     frames = {qs.STREAM_PREFIX + name: df for name, df in sorted(streams.items())
@@ -168,7 +169,7 @@ def validate_streams(settings: Settings, pipeline: str, batch: int, streams: dic
     if frames or freshness is not None:
         with _LOCK:
             if frames:
-                _run(settings, pipeline, batch, PANDAS, frames, {}, report, render)
+                _run(settings, pipeline, batch, engine, frames, {}, report, render)
             _run_freshness(settings, pipeline, batch, freshness, report, render)
     report.seconds = time.perf_counter() - start
     (log.warning if not report.ok else log.info)(report.summary())

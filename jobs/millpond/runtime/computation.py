@@ -18,7 +18,8 @@ Semantics, per key and batch (deterministic: a rerun of a crashed batch redoes e
 Keys are independent: code sees only its key's state (``ctx.state``, a JSON-serialisable dict,
 written back only when it changed; an empty dict deletes it) and timers (one per tag: setting a tag
 again moves it). Timers and state live in the Delta tables ``comp_state`` and ``timers`` (MERGE,
-consumed timers deleted); a batch reads only the rows of its keys and of keys with due timers, at the
+consumed timers deleted; the Spark engine rewrites them copy-on-write to the same rows,
+``engines.spark_computation``); a batch reads only the rows of its keys and of keys with due timers, at the
 versions its plan recorded. Productions go to Delta tables ``<pipeline>/<stream>`` (declared in
 ``output_streams``), appended once per batch under the batch's application transaction.
 
@@ -50,31 +51,36 @@ from millpond.model.computation import (
     load_computation,
     run_key,
 )
-from millpond.model.panes import TS
 from millpond.model.spec import PipelineSpec
 from millpond.runtime.assembly import ts_array, us_column
 from millpond.runtime.commits import PhaseTimer
+from millpond.runtime.computation_tables import (
+    STATE_SCHEMA,
+    STATE_STATS,
+    TIMERS_SCHEMA,
+    TIMERS_STATS,
+    commit_watermark,
+    production_table,
+    stream_schema,
+)
 from millpond.runtime.layout import EVENT_COLUMNS
 from millpond.runtime.microbatch import MicroBatch, committed_versions
 from millpond.runtime.steps.validate import validate_streams
 
-STATE_SCHEMA = pa.schema([("key", pa.string()), ("state", pa.string()), ("batch", pa.int64()),
-                          ("deleted", pa.bool_())])
-TIMERS_SCHEMA = pa.schema([("key", pa.string()), ("tag", pa.string()), ("domain", pa.string()), ("fire_at", TS),
-                           ("batch", pa.int64()), ("deleted", pa.bool_())])
-WATERMARKS_SCHEMA = pa.schema([("batch", pa.int64()), ("processing_time", TS), ("input_watermark", TS),
-                               ("held_by", TS), ("output_watermark", TS)])
+
 # -- the batch ------------------------------------------------------------------------------------
 class ComputationBatch(MicroBatch):
     """A micro-batch whose per-key step is a user :class:`Computation` instead of windowing.
 
-    Runs in the driver (the per-key step, ``run_key``, is pure, so a Spark ``groupBy.applyInPandas``
-    path can be added like windowing's). The pane quality suites do not apply; with ``validate`` each
-    output stream that has a committed suite (``millpond_stream_<stream>``) is validated before the
-    commits. Record ids expire only with ``dedup: {horizon: ...}`` (no window to derive it from).
+    On the local engine ``process`` runs it in the batch's process; on the Spark engine
+    (``engines.spark_computation``) the same ``run_key`` runs on executors, each key with its stored state and
+    timers, and the same tables come out (``runtime.computation_tables``). The pane quality suites do not apply;
+    with ``validate`` each output stream that has a committed suite (``millpond_stream_<stream>``) is validated
+    before the commits. Record ids expire only with ``dedup: {horizon: ...}`` (no window to derive it from).
     """
 
     state_tables = (*STATE_TABLES, *COMPUTATION_TABLES)
+    kind = "computation"
 
     def __init__(self, settings: Settings, spec: PipelineSpec, spark=None, validate: bool = False,
                  owner: str | None = None) -> None:
@@ -155,7 +161,7 @@ class ComputationBatch(MicroBatch):
                               "batch": pa.array([batch] * len(states), pa.int64()),
                               "deleted": pa.array([o.state is None for o in states], pa.bool_())}, schema=STATE_SCHEMA)
             self._step("comp_state", lambda tb=table: self.tables.merge(
-                name, "comp_state", tb, on=["key"], delete_when="s.deleted", txn=txn, stats_columns=["key"]))
+                name, "comp_state", tb, on=["key"], delete_when="s.deleted", txn=txn, stats_columns=STATE_STATS))
         rows = [(tm.key, tm.tag, tm.domain, tm.at, False) for o in outcomes for tm in o.timer_upserts]
         rows += [(o.key, tag, EVENT, 0, True) for o in outcomes for tag in o.timer_deletes]
         if rows:
@@ -165,37 +171,15 @@ class ComputationBatch(MicroBatch):
                               "batch": pa.array([batch] * len(rows), pa.int64()),
                               "deleted": pa.array([r[4] for r in rows], pa.bool_())}, schema=TIMERS_SCHEMA)
             self._step("timers", lambda tb=table: self.tables.merge(
-                name, "timers", tb, on=["key", "tag"], delete_when="s.deleted", txn=txn,
-                stats_columns=["key", "tag", "domain", "fire_at"]))
+                name, "timers", tb, on=["key", "tag"], delete_when="s.deleted", txn=txn, stats_columns=TIMERS_STATS))
         for stream, table in produced.items():
             self._step(f"produce_{stream}", lambda s=stream, tb=table: self.tables.append(name, s, tb, txn=txn),
                        table=stream)
-        held = min((o.held_by for o in outcomes if o.held_by is not None), default=None)
-        out = clock.watermark if held is None else min(clock.watermark, held)
-        out = max(out, self._previous_output(batch, v_watermarks))  # monotonic, as MillWheel promises
-        row = pa.Table.from_arrays([pa.array([batch], pa.int64()), ts_array([clock.processing_time]),
-                                    ts_array([clock.watermark]), ts_array([held]), ts_array([out])],
-                                   schema=WATERMARKS_SCHEMA)
-        self._step("watermarks", lambda: self.tables.append(name, "watermarks", row, txn=txn))
+        commit_watermark(self, txn, clock, min((o.held_by for o in outcomes if o.held_by is not None), default=None),
+                         v_watermarks)
 
     def _production_table(self, stream: str, rows: list[dict[str, Any]]) -> pa.Table:
-        schema = self.streams.get(stream)
-        try:
-            if schema is None:
-                return pa.Table.from_pylist(rows)
-            if "batch" not in schema.names:
-                schema = schema.append(pa.field("batch", pa.int64()))
-            return pa.Table.from_pylist(rows, schema=schema)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
-            raise MillpondError(f"{self.name}: productions to {stream!r} do not fit its schema: {exc}") from exc
-
-    def _previous_output(self, batch: int, version: int | None) -> int:
-        if version is None or batch <= 1:
-            return -(2**63)
-        prev = self.tables.select(self.name, "watermarks", f"batch = {batch - 1}", columns=["output_watermark"],
-                                  version=version)
-        vals = us_column(prev, "output_watermark")
-        return vals[0] if vals else -(2**63)
+        return production_table(self.name, stream, stream_schema(self.streams.get(stream)), rows)
 
 
 def output_watermark(tables, pipeline: str) -> int | None:

@@ -4,16 +4,17 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
 import pyarrow as pa
 
 from millpond.config import Settings
 from millpond.lake.objectstore import ObjectStore, StoredObject
-from millpond.lake.tables import Tables
+from millpond.lake.tables import Tables, Txn
+from millpond.model.clock import BatchClock
 from millpond.model.spec import PipelineSpec
 from millpond.model.step import Strategy
-from millpond.runtime.commits import Commits
+from millpond.runtime.commits import Commits, PhaseTimer
 
 
 class BatchContext(Protocol):
@@ -33,6 +34,10 @@ class BatchContext(Protocol):
     background: ThreadPoolExecutor
     output_tables: tuple[str, ...]
     state_tables: tuple[str, ...]
+    #: the pipeline's per-key step: ``windows`` or ``computation``
+    kind: str
+    #: the batch's number (set once the plan knows it)
+    batch: int
 
     def committed(self) -> pa.Table: ...
 
@@ -41,3 +46,9 @@ class BatchContext(Protocol):
     def plans_since(self, arrival: int) -> pa.Table: ...
 
     def landing(self, since: int | None) -> list[StoredObject]: ...
+
+    def process(self, batch: int, txn: Txn, clock: BatchClock, accepted: pa.Table, plan: dict[str, Any],
+                t: PhaseTimer) -> dict[str, int]:
+        """The pipeline's per-key step on the local engine (windows, or a MillWheel computation): its outputs'
+        commits queued under ``txn``; counts for the marker."""
+        ...

@@ -32,9 +32,10 @@ from millpond.model.spec import PipelineSpec
 from millpond.model.timeutil import MIN_TS, to_datetime, to_us
 from millpond.runtime import rewind
 from millpond.runtime.commits import Commits, PhaseTimer
-from millpond.runtime.engines import runs_on_spark
+from millpond.runtime.engines import create_engine
+from millpond.runtime.engines.base import BatchWork, Outputs
 from millpond.runtime.failure import batch_failed
-from millpond.runtime.steps import commit, compute, dedup, plan, read, upstream, validate, versions, watermark
+from millpond.runtime.steps import commit, compute, plan, validate, versions
 
 
 def committed_versions(tables: Tables, pipeline: str) -> dict[str, int]:
@@ -56,7 +57,7 @@ class BatchResult:
     reason: str = ""
     #: how the batch ran where it differs from what was asked (a retry redoing its plan at the planned time)
     note: str = ""
-    #: the engine that ran the batch, local or spark (``_run``, where ``_on_spark`` chooses); empty if skipped
+    #: the engine and strategy that ran the batch (``engines.create_engine`` chose; e.g. spark/plan); empty if skipped
     engine: str = ""
 
     def summary(self) -> str:
@@ -77,6 +78,9 @@ class BatchResult:
 
 class MicroBatch:
     """One batch of one pipeline at one processing time: the context every step works on."""
+
+    #: the pipeline's per-key step: ``windows`` (windowing, triggers, accumulation) or ``computation``
+    kind = "windows"
 
     #: the tables this batch writes (the marker names their versions); a MillWheel computation has its own
     output_tables: tuple[str, ...] = OUTPUT_TABLES
@@ -172,40 +176,13 @@ class MicroBatch:
         plan.start_upkeep(self, batch)
         t.lap("plan", files=len(the_plan["files"]), held=len(the_plan["held"]) or None,
               skipped=len(the_plan["skipped"]) or None)
-        planned = self._planned_bytes(found["landing"], the_plan)
-        if self._on_spark(planned):
-            from millpond.runtime.engines import spark_batch  # pyspark is imported by Spark batches only
-
-            t.begin("ingest", files=len(the_plan["files"]), engine="spark")
-            counts, clock, max_et = spark_batch.run_on_spark(self, txn, the_plan, planned, prev, w_in, P,
-                                                             explicit_watermark, t)
-            counts["skipped"] = len(the_plan["skipped"])
-            self._finish(txn, clock, max_et, counts, t)
-            return BatchResult(self.name, batch, to_datetime(P), to_datetime(clock.watermark), counts, t.phases,
-                               note=note, engine="spark")
-        t.begin("ingest", files=len(the_plan["files"]))
-        if self.spec.upstream is not None:
-            good, bad = upstream.read_upstreams(self, the_plan), []
-        else:
-            good, bad = read.read_files(self, the_plan, P)
-        t.lap("ingest", elements=good.num_rows, quarantined=len(bad))
-        seen_version = the_plan["versions"].get("seen_ids")
-        accepted, kept = dedup.dedup(self, good, seen_version, w_in)
-        duplicates = good.num_rows - accepted.num_rows
-        del good
-        t.lap("dedup", accepted=accepted.num_rows, duplicates=duplicates)
-        clock, max_et = watermark.advance_watermark(self, batch, P, w_in, prev, accepted, the_plan, explicit_watermark)
-        t.lap("watermark", watermark=to_datetime(clock.watermark).isoformat())
-        self.commits.defer()
-        outputs = self.process(batch, txn, clock, accepted, the_plan, t)
-        commit.commit_inputs(self, batch, txn, bad, accepted, kept, seen_version)
-        counts = {"files": len(the_plan["files"]), "input": accepted.num_rows + duplicates + len(bad),
-                  "accepted": accepted.num_rows, "duplicates": duplicates, "quarantined": len(bad),
-                  "late": 0, "panes": 0, "retractions": 0, "state_rows_read": 0, "skipped": len(the_plan["skipped"]),
-                  **outputs}
-        self._finish(txn, clock, max_et, counts, t)
-        return BatchResult(self.name, batch, to_datetime(P), to_datetime(clock.watermark), counts, t.phases,
-                           note=note, engine="local")
+        work = BatchWork(batch, txn, the_plan, prev, w_in, P, explicit_watermark,
+                         self._planned_bytes(found["landing"], the_plan))
+        out = create_engine(self, work).run(self, work, t)
+        counts = {**out.counts, "skipped": len(the_plan["skipped"])}
+        self._finish(txn, out, counts, t)
+        return BatchResult(self.name, batch, to_datetime(P), to_datetime(out.clock.watermark), counts, t.phases,
+                           note=note, engine=out.label)
 
     @staticmethod
     def _planned_bytes(listing: list[StoredObject], the_plan: dict[str, Any]) -> int:
@@ -213,15 +190,9 @@ class MicroBatch:
         sizes = {o.key: o.size for o in listing}
         return sum(sizes.get(key, 0) for key in the_plan["files"])
 
-    def _on_spark(self, planned: int) -> bool:
-        """Whether this batch runs as a Spark job (``engines.runs_on_spark``), judged by its files' bytes. A
-        stage (a pipeline reading an upstream's panes) always runs on the local engine."""
-        if self.spec.upstream is not None:
-            return False
-        return runs_on_spark(self.settings, self.spark, planned, windowed=type(self).process is MicroBatch.process)
-
-    def _finish(self, txn: Txn, clock: BatchClock, max_et: int | None, counts: dict[str, Any], t: PhaseTimer) -> None:
-        """The deferred commits (after the plan's commit and the upkeep step have landed), then the marker."""
+    def _finish(self, txn: Txn, out: Outputs, counts: dict[str, Any], t: PhaseTimer) -> None:
+        """The deferred commits (after the plan's commit and the upkeep step have landed), then the marker, which
+        names the engine and strategy that ran the batch."""
         self.commits.plan_landed()
         t.lap("commit", quiet=True)
         self.commits.upkeep_landed()
@@ -229,7 +200,8 @@ class MicroBatch:
         t.begin("commit", tables=len({table for _, table, _ in self.commits.deferred or ()}))
         probed = self.commits.flush(self.output_tables)
         t.lap("commit", quiet=True)
-        commit.commit_marker(self, txn, clock, max_et, counts, t, probed)
+        commit.commit_marker(self, txn, out.clock, out.max_event_time,
+                             {**counts, "engine": out.engine, "strategy": out.strategy}, t, probed)
         t.lap("commit", input=counts.get("input"), panes=counts.get("panes"))
 
     def process(self, batch: int, txn: Txn, clock: BatchClock, accepted: pa.Table, plan: dict[str, Any],

@@ -31,7 +31,7 @@ from millpond.surface.cli import command
 
 BOOKKEEPING = ("ingest_log", "batches")
 HISTORY_COLUMNS = ("batch", "processing_time", "watermark", "files", "input", "accepted", "duplicates", "late",
-                   "quarantined", "skipped", "panes")
+                   "quarantined", "skipped", "panes", "engine", "strategy")
 
 
 def hold_file(settings: Settings, pipeline: str, prefix: str, key: str, reason: str) -> str:
@@ -80,8 +80,8 @@ def history(settings: Settings, pipeline: str, freshness: dict[str, int] | None 
     gets a ``freshness`` column: per batch, the thresholds it exceeded ('' when fresh)."""
     tables = Tables(settings)
     done = tables.read_whole(pipeline, "batches", BATCHES_SCHEMA).sort_by("batch")
-    batches = pa.table({c: done.column(c) if c in done.column_names else pa.nulls(done.num_rows, pa.int64())
-                        for c in HISTORY_COLUMNS})
+    batches = pa.table({c: done.column(c) if c in done.column_names
+                        else pa.nulls(done.num_rows, BATCHES_SCHEMA.field(c).type) for c in HISTORY_COLUMNS})
     specs = done.column("spec").to_pylist() if "spec" in done.column_names else [None] * done.num_rows
     batches = batches.append_column("spec_change", pa.array(spec_changes(specs), pa.string()))
     limits = declared(settings, pipeline) if freshness is None else freshness

@@ -60,11 +60,25 @@ def batch_schedule(spec: PipelineSpec, events: list[dict[str, Any]], start: int 
 def replay(settings: Settings, spec: PipelineSpec, events: list[dict[str, Any]], *, start: int | None = None,
            end: int | None = None, flush: bool = True, spark=None, log=None) -> list[dict[str, Any]]:
     """Run the scenario; return the panes (as JSON objects) in emission order."""
+    for processing_time, wm in land_events(settings, spec, events, start=start, end=end, flush=flush):
+        result = run_batch(settings, spec, to_datetime(processing_time),
+                           watermark=None if wm is None else to_datetime(wm), spark=spark)
+        if log:
+            log(result.summary())
+    return read_panes(settings, spec.name)
+
+
+def land_events(settings: Settings, spec: PipelineSpec, events: list[dict[str, Any]], *, start: int | None = None,
+                end: int | None = None, flush: bool = True) -> list[tuple[int, int | None]]:
+    """The scenario's events landed as one file per batch interval (by arrival time); the batches to run,
+    as (processing time, explicit watermark or None), the last one at watermark +inf when ``flush``. Apart
+    from ``replay`` so that another process (a Connect client, a benchmark) can run the same batches."""
     store = ObjectStore(settings)
     schedule = batch_schedule(spec, events, start, end)
     if flush:
         last_p = schedule[-1][1]
         schedule.append((last_p, last_p + spec.batch_interval))
+    steps: list[tuple[int, int | None]] = []
     for i, (lo, hi) in enumerate(schedule):
         batch_events = [e for e in events if e.get("arrival_time") is not None and lo <= to_us(e["arrival_time"]) < hi]
         if i == 0:
@@ -73,12 +87,8 @@ def replay(settings: Settings, spec: PipelineSpec, events: list[dict[str, Any]],
             body = "".join(json.dumps(e, sort_keys=True) + "\n" for e in batch_events).encode()
             store.put_bytes(settings.bucket_landing,
                             f"{spec.source_prefix}{arrival_tag(lo)}-batch-{i + 1:05d}.jsonl", body)
-        wm = MAX_TS if flush and i == len(schedule) - 1 else None
-        result = run_batch(settings, spec, to_datetime(hi), watermark=None if wm is None else to_datetime(wm),
-                           spark=spark)
-        if log:
-            log(result.summary())
-    return read_panes(settings, spec.name)
+        steps.append((hi, MAX_TS if flush and i == len(schedule) - 1 else None))
+    return steps
 
 
 def read_panes(settings: Settings, pipeline: str) -> list[dict[str, Any]]:

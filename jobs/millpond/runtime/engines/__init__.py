@@ -13,10 +13,14 @@ is an error in one line, never a silent in-process run."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from millpond.config import Settings
 from millpond.errors import MillpondError
+from millpond.runtime.engines.base import BatchWork, Engine
+
+if TYPE_CHECKING:
+    from millpond.runtime.context import BatchContext
 
 #: the engines a deployment or a command can name
 ENGINES = ("local", "spark")
@@ -56,8 +60,30 @@ def choose(settings: Settings, forced: str | None = None, *, hint: str = "") -> 
     return settings, spark_for(settings, hint=hint)
 
 
-def runs_on_spark(settings: Settings, spark, planned_bytes: int, windowed: bool) -> bool:
-    """Spark when the deployment says so and a session is at hand, for windowed pipelines whose planned
-    landing files hold at least ``engine.local_below`` bytes (0: every batch)."""
-    wanted = spark is not None and settings.engine == "spark" and windowed
-    return wanted and planned_bytes >= settings.engine_local_below
+def create_engine(job: BatchContext, work: BatchWork) -> Engine:
+    """The engine that runs ``work``: Spark when the batch's settings say spark and a session is at hand, for
+    pipelines the Spark engine runs, and for batches whose planned landing files hold at least
+    ``engine.local_below`` bytes (0: every batch; a stage's upstream pane rows count a landing line's bytes each);
+    else the local engine."""
+    from millpond.runtime.engines.local import LocalEngine
+    from millpond.runtime.engines.spark import SparkEngine
+
+    wanted = job.spark is not None and job.settings.engine == "spark" and on_spark(job)
+    if wanted and _input_bytes(job, work) >= job.settings.engine_local_below:
+        return SparkEngine()
+    return LocalEngine()
+
+
+def _input_bytes(job: BatchContext, work: BatchWork) -> int:
+    """The batch's input in landing bytes: a stage's upstream pane rows in range count as a landing line each."""
+    if job.spec.upstream is None or job.settings.engine_local_below <= 0:
+        return work.planned_bytes
+    from millpond.runtime.engines.spark import LANDING_BYTES_PER_ROW, input_rows
+
+    return input_rows(job, work) * LANDING_BYTES_PER_ROW
+
+
+def on_spark(job: BatchContext) -> bool:
+    """Whether the Spark engine runs this pipeline's batches: windowed pipelines and MillWheel computations
+    (``spark_computation``), over landing files or (a stage) over their upstreams' panes (``spark_upstream``)."""
+    return job.kind in ("windows", "computation")

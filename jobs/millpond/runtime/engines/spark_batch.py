@@ -36,8 +36,9 @@ from millpond.lake.tables import Txn
 from millpond.model.clock import BatchClock
 from millpond.model.panes import pane_schema
 from millpond.model.state import WINDOWS_SCHEMA
-from millpond.runtime.engines import spark_task
+from millpond.runtime.engines.base import BatchWork
 from millpond.runtime.engines.spark_keys import per_key_step
+from millpond.runtime.engines.spark_state import StateFiles, ranged, state_files
 from millpond.runtime.engines.spark_values import batch_values, with_values
 from millpond.runtime.engines.spark_watchdog import watched
 from millpond.runtime.steps.dedup import seen_keep_from
@@ -50,8 +51,6 @@ if TYPE_CHECKING:
 
 #: rows one task of a batch's shuffles takes (the per-key step's partitions)
 ROWS_PER_TASK = 250_000
-#: a landing file's bytes per element, to size the batch's shuffles before its files are read (JSON lines)
-LANDING_BYTES_PER_ROW = 100
 
 
 def _ts(column: str):
@@ -101,15 +100,21 @@ def batch_partitions(settings: Settings, rows: int) -> int:
 def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time: int, w_in: int, seen,
                    partitions: int):
     """(the quarantined rows, the accepted elements, counts, max event time, the cached parsed rows): parsed on
-    executors (in at most ``partitions`` tasks), first of each id by (arrival, file, line), ids seen by earlier
-    batches (``seen``, the ``seen_ids`` snapshot, or None) dropped when their event time is within the batch's
-    range, as on the local engine. Only counts come back."""
+    executors (in at most ``partitions`` tasks; a stage's upstream panes, ``spark_upstream``), first of each id
+    by (arrival, file, line), ids seen by earlier batches (``seen``, the ``seen_ids`` snapshot, or None) dropped
+    when their event time is within the batch's range, as on the local engine. Only counts come back."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     spark = job.spark
-    rows = spark_io.read_landing(spark, job.settings, list(zip(the_plan["files"], the_plan["arrivals"], strict=True)),
-                                 job.spec.value_type, processing_time, tasks=partitions)
+    if job.spec.upstream is not None:  # a stage: its upstreams' panes as elements, in the same columns
+        from millpond.runtime.engines.spark_upstream import stage_input
+
+        rows = stage_input(job, the_plan, partitions)
+    else:
+        rows = spark_io.read_landing(spark, job.settings, list(zip(the_plan["files"], the_plan["arrivals"],
+                                                                   strict=True)),
+                                     job.spec.value_type, processing_time, tasks=partitions)
     # cached, not checkpointed: its plan is a read of the files, cheap to analyse again, and a cache is filled
     # by the first job that reads it (a lazy checkpoint read the files once more in a job of its own)
     rows = rows.cache()
@@ -181,10 +186,11 @@ def compute(job: BatchContext, clock: BatchClock, accepted, state, partitions: i
 
 def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes, versions: dict[str, Any],
                   stored, seen, partitions: int, keep_from: int | None, quarantined: int,
-                  accepted_rows: int) -> dict[str, int]:
+                  accepted_rows: int, stored_files: StateFiles | None = None) -> dict[str, int]:
     """Every output table's files from the executors in one Spark job, each table one commit; counts for the
     marker. ``values``: the batch's (``spark_values``: ``_batch``, ``_keep_from``); ``stored``: the ``windows``
-    table at ``versions["windows"]`` (None without one); ``seen``: the ``seen_ids`` table at
+    files the batch read at ``versions["windows"]`` (None without one), ``stored_files`` which (``spark_state``);
+    ``seen``: the ``seen_ids`` table at
     ``versions["seen_ids"]`` (None without one); ``keep_from``: as ``steps.dedup.seen_keep_from``;
     ``quarantined``: ``bad``'s rows (none: no quarantine write, whose tasks would only scan the landing rows for
     nothing); ``accepted_rows``: ``accepted``'s (none: no ``seen_ids`` write, not even its fold, as on the local
@@ -224,7 +230,7 @@ def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes
     elif accepted_rows:
         writes.append(_rewrite_seen(job, txn, seen, own, values, versions["seen_ids"], partitions))
     if state_changes:
-        writes.append(_rewrite_windows(job, txn, values, out, versions.get("windows"), stored, partitions))
+        writes.append(_rewrite_windows(job, txn, values, out, stored_files, stored, partitions, state_changes))
     if touched:
         writes.append(_rewrite_current(job, txn, values, out, touched, partitions))
     # the Spark job runs now, on this thread; the Delta commits wait with the batch's others, in this order
@@ -235,22 +241,25 @@ def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes
             "retractions": tally.get("panes:retraction", 0), "state_rows_read": state_read}
 
 
-def panes_frame(out, values, partitions: int = 1):
+def panes_frame(out, values):
     """The ``panes`` rows, numbered batch-wide by key then emission order (the local engine's ``seq``);
     ``values``: the batch's (``spark_values``: ``_batch``, ``_processing_time``, ``_watermark``).
-    The numbering sees every row in one task; ``partitions`` > 1 spreads the numbered rows by key again, so
-    that their checks and writes run in that many tasks (one task's rows satisfy any window's grouping, so
-    Spark would otherwise keep them in the one)."""
-    from pyspark.sql import Window
+    The per-key step's tasks hold ranges of keys in order and number their own panes (``spark_keys``): a pane's
+    ``seq`` is its task's number plus the panes of the tasks before it, from their ``read`` rows (one per task,
+    joined in as a broadcast), so no step sees every pane in one task and the panes stay in the step's tasks."""
     from pyspark.sql import functions as F
 
-    numbered = with_values(out.where("tbl = 'panes'"), values).select(
+    counts = out.where("tbl = 'read'").select(F.col("part").alias("_p"), F.col("seq").alias("_n"))
+    before = counts.select(F.col("_p").alias("_q"), F.col("_n").alias("_m"))
+    offsets = counts.join(before, F.col("_q") < F.col("_p"), "left").groupBy("_p").agg(
+        F.coalesce(F.sum("_m"), F.lit(0)).cast("long").alias("_off"))
+    rows = out.where("tbl = 'panes'").join(F.broadcast(offsets), F.col("part") == F.col("_p"))
+    return with_values(rows, values).select(
         "key", _ts("window_start"), _ts("window_end"), F.col("pane_value").alias("value"), "pane_index", "timing",
         "is_last", "kind", _batch_column(),
         F.timestamp_micros("_processing_time").alias("processing_time"),
         F.timestamp_micros("_watermark").alias("watermark"),
-        F.row_number().over(Window.orderBy("key", "seq")).cast("long").alias("seq"))
-    return numbered.repartition(partitions, "key") if partitions > 1 else numbered
+        (F.col("_off") + F.col("seq")).cast("long").alias("seq"))
 
 
 def validate_batch(job: BatchContext, clock: BatchClock, values, accepted, out, panes, lo: int | None) -> None:
@@ -290,21 +299,21 @@ def _rewrite_seen(job: BatchContext, txn: Txn, seen, own, values, version: int, 
                                                          removes=removes)
 
 
-def _rewrite_windows(job: BatchContext, txn: Txn, values, out, version: int | None, stored,
-                     partitions: int) -> Write:
-    """``windows`` copy-on-write: the stored rows not changed by this batch, plus its upserts, replace the
-    table's files (the local engine's MERGE, on executors)."""
+def _rewrite_windows(job: BatchContext, txn: Txn, values, out, files: StateFiles | None, stored,
+                     partitions: int, changes_n: int) -> Write:
+    """``windows`` copy-on-write: the rows of the files the batch read (``files``, ``stored``) not changed by
+    it, plus its upserts, replace those files (the local engine's MERGE, on executors), written as ranges of
+    keys (``spark_state.ranged``); the table's other files stay. ``changes_n``: the upserts and deletes."""
     from pyspark.sql import functions as F
 
     changes = out.where("tbl = 'state'").select(
         "key", "window_start", "window_end", "state", "event_timer", "ptime_timer", "deleted")
-    keys = ["key", "window_start", "window_end"]
     new = with_values(changes.where("NOT deleted"), values).select(
         "key", _ts("window_start"), _ts("window_end"), "state", _ts("event_timer"), _ts("ptime_timer"),
         _batch_column(), F.lit(False).alias("deleted"))
     removes: list[dict] = []
-    if version is not None:
-        removes = live_files(job.tables, job.name, "windows", version)
+    if files is not None:
+        removes = files.removes
         old_keys = stored.select("*", F.unix_micros("window_start").alias("_s"),
                                  F.unix_micros("window_end").alias("_e"))
         changed = changes.select(F.col("key").alias("_k"), F.col("window_start").alias("_cs"),
@@ -312,9 +321,8 @@ def _rewrite_windows(job: BatchContext, txn: Txn, values, out, version: int | No
         same = (F.col("key") == F.col("_k")) & (F.col("_s") == F.col("_cs")) & (F.col("_e") == F.col("_ce"))
         unchanged = old_keys.join(changed, same, "left_anti").select(*WINDOWS_SCHEMA.names)
         new = unchanged.unionByName(new)
-    # sorted within each task's file (a global orderBy costs a sampling job more): the same rows
-    write = spark_io.write_files(new.repartition(partitions, "key").sortWithinPartitions(*keys), job.settings,
-                                 "windows", job.settings.table_uri(job.name, "windows"))
+    rows = ranged(new, (files.rows if files else 0) + changes_n, partitions)
+    write = spark_io.write_files(rows, job.settings, "windows", job.settings.table_uri(job.name, "windows"))
     return "windows", write, lambda files: commit_files(
         job.tables, job.name, "windows", files, WINDOWS_SCHEMA, txn, removes=removes,
         stats_columns=WINDOWS_STATS_COLUMNS)
@@ -357,17 +365,10 @@ def _rewrite_current(job: BatchContext, txn: Txn, values, out, parts: set[tuple[
                                                         partition_by=CURRENT_PARTITIONS, removes=removes)
 
 
-def run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], planned_bytes: int,
-                 prev: dict[str, Any] | None, w_in: int, processing_time: int, explicit_watermark, timer
-                 ) -> tuple[dict[str, int], BatchClock, int | None]:
-    """The batch's read, dedup, watermark, per-key step and writes as Spark jobs, or as one Spark task when it is
-    small (``spark_task``); counts, clock, max event time. ``planned_bytes``: the planned landing files' size,
-    which with the stored windows sizes the batch (``rows``). A Connect server that stops answering meanwhile
-    fails the batch within ``spark.timeout``."""
-    rows = planned_bytes // LANDING_BYTES_PER_ROW + spark_io.table_rows(job.tables, job.name, "windows",
-                                                                       the_plan["versions"].get("windows"))
-    if spark_task.fits_one_task(job.settings, rows, job.validate):
-        return spark_task.run_one_task(job, txn, the_plan, prev, w_in, processing_time, explicit_watermark, timer)
+def run_on_spark(job: BatchContext, work: BatchWork, rows: int, timer) -> tuple[dict[str, int], BatchClock, int | None]:
+    """The batch's read, dedup, watermark, per-key step and writes as Spark jobs; counts, clock, max event time.
+    ``rows``: about how many rows the batch handles (``engines.spark.batch_rows``), which sizes its shuffles. A
+    Connect server that stops answering meanwhile fails the batch within ``spark.timeout``."""
     if job.validate:
         from millpond.quality.context import warm_context
 
@@ -375,8 +376,8 @@ def run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], planned_
     conf = job.spark.conf
     width = conf.get("spark.sql.shuffle.partitions")  # the session's, put back after (a shared session's peers)
     with watched(job.spark, job.settings.spark_connect_url, job.settings.spark_timeout_s):
-        result = _run_on_spark(job, txn, the_plan, rows, prev, w_in, processing_time, explicit_watermark,
-                               timer)
+        result = _run_on_spark(job, work.txn, work.plan, rows, work.prev, work.w_in, work.processing_time,
+                               work.watermark, timer)
     # only after a batch that ran: a failed one's error stands (a frozen server's session takes no more calls),
     # and the next batch sets its own width anyway
     conf.set("spark.sql.shuffle.partitions", width)
@@ -403,15 +404,17 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], rows: i
     values = batch_values(job.spark, batch=clock.batch, processing_time=clock.processing_time,
                           watermark=clock.watermark, keep_from=keep_from)
     # read once: the state's due and reachable windows, and the rewrite's unchanged ones
-    stored = None if version is None else spark_io.read_table(job.spark, job.tables, job.name, "windows", version,
-                                                              tasks=partitions)
+    # only the files that can hold a window the batch may change (``spark_state``)
+    stored_files = None if version is None else state_files(job, version, accepted, clock)
+    stored = None if stored_files is None else spark_io.read_table(job.spark, job.tables, job.name, "windows",
+                                                                   version, only=stored_files.read, tasks=partitions)
     stored = None if stored is None else keep(job.spark, stored)
     state = stored_windows(job, stored, accepted, values)
     if state is not None:
         state = keep(job.spark, state)
     job.commits.plan_landed()
     out = compute(job, clock, accepted, state, partitions, now=job.validate)
-    panes = panes_frame(out, values, partitions)
+    panes = panes_frame(out, values)
     if job.validate:  # validated and written: numbered once, here (the validation phase holds validation only)
         panes = keep(job.spark, panes)
         lo = first_retracted(panes)  # the job that computes the kept panes
@@ -421,7 +424,7 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], rows: i
         timer.lap("validation")
     job.commits.defer()
     outputs = write_outputs(job, txn, values, bad, accepted, out, panes, the_plan["versions"], stored, seen,
-                            partitions, keep_from, counts["quarantined"], counts["accepted"])
+                            partitions, keep_from, counts["quarantined"], counts["accepted"], stored_files)
     counts = {"files": len(the_plan["files"]), **counts, "late": 0, "panes": 0, "retractions": 0, **outputs}
     # a warm server keeps cached frames until told
     for frame in (parsed, stored, state, out, accepted, panes if job.validate else None):

@@ -41,6 +41,7 @@ from millpond.model.clock import BatchClock
 from millpond.model.panes import pane_schema
 from millpond.model.spec import pipeline_from_dict
 from millpond.model.state import WINDOWS_SCHEMA
+from millpond.runtime.engines.base import BatchWork
 from millpond.runtime.engines.spark_watchdog import watched
 
 if TYPE_CHECKING:
@@ -49,12 +50,6 @@ if TYPE_CHECKING:
 
 #: the key of a stored window (``windows``' MERGE key)
 WINDOW_KEY = ["key", "window_start", "window_end"]
-
-
-def fits_one_task(settings: Settings, rows: int, validate: bool) -> bool:
-    """Whether a batch of about ``rows`` rows (events plus stored windows) runs as one task: below the setting,
-    and not validated (validation runs Great Expectations' Spark engine on the plan's DataFrames)."""
-    return not validate and rows < settings.engine_one_task_below
 
 
 @dataclass(frozen=True)
@@ -109,7 +104,7 @@ class TaskBatch:
 def run_task(given: TaskInput, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """Runs in the executor: the whole batch; one row per data file written (``spark_io.WRITTEN``), then one
     row (table "") holding the batch's counts, clock and the phases timed here, as JSON."""
-    from millpond.runtime.steps import compute, dedup, read, watermark
+    from millpond.runtime.steps import compute, dedup, read, upstream, watermark
 
     for _ in batches:  # the one partition's index
         pass
@@ -123,7 +118,10 @@ def run_task(given: TaskInput, batches: Iterable[pa.RecordBatch]) -> Iterator[pa
         phases[name] = now - t
         t = now
 
-    good, bad = read.read_files(job, given.plan, given.processing_time)
+    if job.spec.upstream is not None:  # a stage: its upstreams' planned panes as elements, read here
+        good, bad = upstream.read_upstreams(job, given.plan), []
+    else:
+        good, bad = read.read_files(job, given.plan, given.processing_time)
     lap("ingest")
     seen_version = given.plan["versions"].get("seen_ids")
     accepted, kept = dedup.dedup(job, good, seen_version, given.w_in)
@@ -222,16 +220,16 @@ def _current(job: TaskBatch, given: TaskInput, rows: pa.Table, touched: set[tupl
 
 
 # on the client --------------------------------------------------------------------------------------------------
-def run_one_task(job: BatchContext, txn: Txn, the_plan: dict[str, Any], prev: dict[str, Any] | None, w_in: int,
-                 processing_time: int, explicit_watermark, timer: PhaseTimer
+def run_one_task(job: BatchContext, work: BatchWork, timer: PhaseTimer
                  ) -> tuple[dict[str, int], BatchClock, int | None]:
     """The batch as one Spark task, then its commits queued with the batch's others; counts, clock, max event
     time. A Connect server that stops answering meanwhile fails the batch within ``spark.timeout``."""
+    txn, the_plan, processing_time = work.txn, work.plan, work.processing_time
     current = job.tables.open(job.name, "current")
     if current is not None and tuple(current.metadata().partition_columns) != CURRENT_PARTITIONS:
         raise NotImplementedError("the Spark engine rewrites only current views partitioned by window_end")
-    given = TaskInput(job.settings, job.spec.raw, job.batch, the_plan, prev, w_in, processing_time,
-                      explicit_watermark,
+    given = TaskInput(job.settings, job.spec.raw, work.batch, the_plan, work.prev, work.w_in, processing_time,
+                      work.watermark,
                       [] if current is None else data_files(current),
                       None if current is None else table_schema(current))
     task = functools.partial(run_task, given)
@@ -245,7 +243,7 @@ def run_one_task(job: BatchContext, txn: Txn, the_plan: dict[str, Any], prev: di
         else:
             meta = json.loads(r["action"])
     timer.split("spark_task", meta["phases"], tasks=1)
-    clock = BatchClock(batch=job.batch, processing_time=processing_time, input_watermark=w_in,
+    clock = BatchClock(batch=work.batch, processing_time=processing_time, input_watermark=work.w_in,
                        watermark=meta["watermark"])
     job.commits.defer()
     _queue_commits(job, txn, the_plan, written, meta, current)

@@ -13,7 +13,7 @@ from millpond.lake.sql import sql_in, sql_ts
 from millpond.model.clock import BatchClock
 from millpond.model.state import WINDOWS_SCHEMA
 from millpond.runtime.assembly import Assembly
-from millpond.runtime.engines.local import LocalEngine
+from millpond.runtime.engines.local import KeysOnCores
 
 if TYPE_CHECKING:
     from millpond.runtime.context import BatchContext
@@ -29,7 +29,7 @@ def compute(job: BatchContext, batch: int, clock: BatchClock, accepted: pa.Table
     job.commits.plan_landed()
     spec_json = json.dumps(job.spec.raw, sort_keys=True, default=str)
     out = Assembly(batch, clock, job.spec.value_type, job.spec.pane_value_type, job.spec.mode.value == "discarding")
-    LocalEngine(job.settings, before_fork=job.commits.upkeep_landed).run(spec_json, clock, accepted, state, out)
+    KeysOnCores(job.settings, before_fork=job.commits.upkeep_landed).run(spec_json, clock, accepted, state, out)
     return out.finish(), state.num_rows
 
 

@@ -104,14 +104,16 @@ def validate_spark(job: BatchContext, clock: BatchClock, raw, panes, state, lo: 
     _judge(job, clock.batch, report)
 
 
-def validate_streams(job: BatchContext, batch: int, produced: dict[str, pa.Table],
-                     clock: BatchClock | None = None) -> None:
-    """A computation's productions, by the committed suites of its streams (and, given its ``clock``, its
-    freshness); critical stops the batch here."""
+def validate_streams(job: BatchContext, batch: int, produced: dict[str, Any],
+                     clock: BatchClock | None = None, on_spark: bool = False) -> None:
+    """A computation's productions (Arrow tables by stream; Spark DataFrames ``on_spark``), by the committed
+    suites of their streams (and, given its ``clock``, its freshness); critical stops the batch here."""
+    from millpond.quality.context import PANDAS, SPARK
     from millpond.quality.validation import validate_streams as check
 
-    report = check(job.settings, job.name, batch, {name: t.to_pandas() for name, t in produced.items()},
-                   render=job.render_docs, freshness=None if clock is None else freshness(job, clock))
+    frames = produced if on_spark else {name: t.to_pandas() for name, t in produced.items()}
+    report = check(job.settings, job.name, batch, frames, render=job.render_docs,
+                   freshness=None if clock is None else freshness(job, clock), engine=SPARK if on_spark else PANDAS)
     _judge(job, batch, report)
 
 

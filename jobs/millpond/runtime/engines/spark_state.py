@@ -1,0 +1,128 @@
+"""The ``windows`` table on the Spark engine: which of its files a batch reads and replaces, and how it writes
+them, so that a batch's cost follows its keys, not the whole stored state.
+
+Layout: the engine writes ``windows`` as files of contiguous key ranges (range-partitioned by key, sorted by key
+and window within each, about ``FILE_ROWS`` rows each), whose add actions carry key and timer statistics. A
+batch reads, and copy-on-write replaces, only the files that can hold a window it may change:
+
+- a file whose earliest event or processing-time timer is due at the batch's clock (by its statistics);
+- a file whose key range (min, max) holds a key of the batch's elements, found by one small Spark job joining
+  the batch's distinct keys with the files' ranges (a broadcast of one row per file); only the file numbers
+  come back.
+
+The other files stay as they are. Files written by the local engine's MERGE hold keys of every range; they are
+read until a batch on this engine rewrites them into ranges. A file without the statistics is always read.
+The table's rows are the local engine's either way: only which files hold them differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from millpond.lake.snapshot_files import data_files
+from millpond.model.clock import BatchClock
+
+if TYPE_CHECKING:
+    from millpond.runtime.context import BatchContext
+
+#: rows per ``windows`` file the engine writes: small enough that a batch touching few keys rewrites little,
+#: large enough that a 10M-window table is a few hundred files
+FILE_ROWS = 50_000
+#: delta-rs may cut a string statistic to this many characters: a maximum that long is no upper bound
+STATS_TRUNCATE = 32
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class StateFiles:
+    """The ``windows`` files a batch reads and replaces (as ``read_table``'s ``only`` and as the add actions
+    ``commit_files`` removes), their rows (by statistics), and how many files the table has."""
+
+    read: list[tuple[str, dict[str, Any]]]
+    removes: list[dict[str, Any]]
+    rows: int
+    total: int
+
+
+def _us(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return (value.replace(tzinfo=value.tzinfo or UTC) - EPOCH) // timedelta(microseconds=1)
+    return int(value)
+
+
+def due(action: dict[str, Any], clock: BatchClock) -> bool:
+    """Whether a file may hold a window whose timer is due at ``clock`` (no statistic: it may)."""
+    for column, bound in (("event_timer", clock.watermark), ("ptime_timer", clock.processing_time)):
+        rows, nulls = action.get("num_records"), action.get(f"null_count.{column}")
+        if rows is not None and nulls is not None and nulls >= rows:
+            continue  # no timer of this kind in the file
+        low = _us(action.get(f"min.{column}"))
+        if low is None or low <= bound:
+            return True
+    return False
+
+
+def _key_range(action: dict[str, Any]) -> tuple[str, str | None] | None:
+    """(min, max or None for no upper bound) of a file's keys; None without statistics."""
+    lo, hi = action.get("min.key"), action.get("max.key")
+    if lo is None:
+        return None
+    return str(lo), (None if hi is None or len(str(hi)) >= STATS_TRUNCATE else str(hi))
+
+
+def state_files(job: BatchContext, version: int, accepted, clock: BatchClock) -> StateFiles:
+    """The files of ``windows`` at ``version`` the batch must read: due ones, and those whose key range holds a
+    key of ``accepted`` (the batch's elements, a DataFrame)."""
+    dt = job.tables.open(job.name, "windows", version)
+    if dt is None:
+        return StateFiles([], [], 0, 0)
+    actions = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
+    files = data_files(dt)  # the same order as the add actions
+    wanted = {i for i, a in enumerate(actions) if due(a, clock) or _key_range(a) is None}
+    ranges = [(i, *_key_range(a)) for i, a in enumerate(actions) if i not in wanted]
+    if len(ranges) > 1:
+        wanted |= _touched(job.spark, accepted, ranges)
+    else:
+        wanted |= {i for i, _lo, _hi in ranges}  # one file: reading it costs less than the job that would say
+    chosen = sorted(wanted)
+    return StateFiles([files[i] for i in chosen], [_remove(actions[i]) for i in chosen],
+                      sum(int(actions[i].get("num_records") or 0) for i in chosen), len(actions))
+
+
+def _touched(spark, accepted, ranges: list[tuple[int, str, str | None]]) -> set[int]:
+    """The files (by number) whose key range holds a key of ``accepted``: one Spark job, file numbers back."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import IntegerType, StringType, StructField, StructType
+
+    schema = StructType([StructField("_f", IntegerType(), False), StructField("_lo", StringType(), False),
+                         StructField("_hi", StringType(), True)])
+    files = F.broadcast(spark.createDataFrame(ranges, schema))
+    inside = (F.col("key") >= F.col("_lo")) & (F.col("_hi").isNull() | (F.col("key") <= F.col("_hi")))
+    hits = accepted.select("key").distinct().join(files, inside).select("_f").distinct().collect()
+    return {r[0] for r in hits}
+
+
+def _remove(action: dict[str, Any]) -> dict[str, Any]:
+    """An add action as ``file_commits.commit_files`` removes it (as ``file_commits.live_files`` gives it)."""
+    return {"path": action["path"], "size": action["size_bytes"],
+            "partition_values": {k[len("partition."):]: (None if v is None else str(v))
+                                 for k, v in action.items() if k.startswith("partition.")}}
+
+
+def file_count(rows: int) -> int:
+    """How many range files ``rows`` rows of ``windows`` are written as."""
+    return max(1, -(-rows // FILE_ROWS))
+
+
+def ranged(df, rows: int, partitions: int = 1):
+    """``df`` (about ``rows`` rows of ``windows``) as contiguous key ranges, each sorted by key and window, one
+    file each: ``file_count(rows)`` of them, at least the batch's ``partitions`` (its write's tasks). A file's
+    key statistics then bound a narrow range. (A sampling job sets the ranges' bounds.)"""
+    return df.repartitionByRange(max(partitions, file_count(rows)), "key").sortWithinPartitions(
+        "key", "window_start", "window_end")

@@ -1,0 +1,201 @@
+"""A stage's input on the Spark engine: its upstreams' pane rows over the range its plan pins, read on executors
+and turned into elements there, as ``runtime.steps.upstream`` does in one process (same ids, values, times).
+
+Per upstream (``plan["versions"]["upstreams"]``: from, to, accumulation, epoch), the difference between the
+content of version ``from`` (consumed) and ``to`` (``steps.upstream.changed_panes``):
+
+- no rewind in between: the data files the commits in between added (``lake.delta_files.added_files``: what the
+  change feed reads; a compaction adds none), read file by file on executors;
+- nothing consumed yet: the whole table as of ``to``;
+- across a rewind: both versions' rows above the last batch both still hold (files whose ``batch`` statistic is
+  at most that batch are not read), compared on executors by a null-safe anti-join both ways.
+
+Why not collect and reuse the local code: a stage over a large upstream would hold every pane row in the batch's
+process. Here the client reads only log entries and file statistics; rows stay on executors.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from millpond.lake import spark_io
+from millpond.lake.delta_files import DataFile, added_files, column_max, rows_of, snapshot_files
+from millpond.model.panes import pane_schema
+from millpond.model.stages import ALL_KEY
+
+if TYPE_CHECKING:
+    from millpond.runtime.context import BatchContext
+
+#: the upstream pane columns compared across a rewind and turned into elements
+PANE_KEY = ["key", "window_start", "window_end"]
+
+
+def upstream_rows(job: BatchContext, plan: dict[str, Any], partitions: int):
+    """The planned upstream panes as elements: ``id, key, value, event_time, arrival_time`` (times in us), plus
+    ``file_rank`` and ``pos``, the order the local engine's dedup sees them in (per upstream, the panes taken back,
+    then the panes added, each by (batch, seq)); read in at most ``partitions`` tasks per table version."""
+    from pyspark.sql import functions as F
+
+    parts = []
+    for i, (name, rng) in enumerate((plan["versions"].get("upstreams") or {}).items()):
+        removed, added = changed_panes(job, name, rng["from"], rng["to"], partitions)
+        if removed is not None:
+            parts.append(pane_elements(job, name, removed, {**rng, "to": rng["from"]}, 2 * i, partitions, undo=True))
+        if added is not None:
+            parts.append(pane_elements(job, name, added, rng, 2 * i + 1, partitions))
+    if not parts:
+        schema = spark_io.landing_schema(job.spec.value_type)
+        return job.spark.createDataFrame([], spark_io.spark_schema(schema)).select(*ELEMENT_COLUMNS)
+    return functools.reduce(lambda a, b: a.unionByName(b), parts).select(
+        "id", "key", "value", "event_time", "arrival_time", F.col("file_rank").cast("int"), F.col("pos").cast("long"))
+
+
+#: what ``upstream_rows`` returns: an element's columns, then its place in the local engine's order
+ELEMENT_COLUMNS = ("id", "key", "value", "event_time", "arrival_time", "file_rank", "pos")
+
+
+def stage_input(job: BatchContext, plan: dict[str, Any], partitions: int):
+    """``upstream_rows`` in the landing read's columns (``spark_io.landing_schema``, no quarantined row), so the
+    plan's dedup takes a stage's elements as it takes parsed landing lines."""
+    from pyspark.sql import functions as F
+
+    types = {f.name: f.dataType for f in spark_io.spark_schema(spark_io.landing_schema(job.spec.value_type)).fields}
+    rows = upstream_rows(job, plan, partitions)
+    return rows.select(*((F.col(c) if c in ELEMENT_COLUMNS else F.lit(None)).cast(t).alias(c)
+                         for c, t in types.items()))
+
+
+def changed_panes(job: BatchContext, name: str, before: int | None, upto: int | None, partitions: int):
+    """(removed, added) as DataFrames of pane rows (None: none): as ``steps.upstream.changed_panes``."""
+    if before == upto:
+        return None, None
+    if before is None:
+        return None, _read(job, name, upto, snapshot_files(job.tables, name, "panes", upto), partitions)
+    lo, hi = sorted(-1 if v is None else v for v in (before, upto))
+    rewinds = job.tables.rewinds(name, "panes", lo, hi)
+    if upto is not None and upto > before and not rewinds:
+        return None, _read(job, name, upto, added_files(job.tables, name, "panes", before, upto), partitions)
+    listed = {v: snapshot_files(job.tables, name, "panes", v) for v in {before, upto, *rewinds}}
+    shared = min(_last_batch(job, name, v, files, partitions) for v, files in listed.items())
+    old, new = (_panes_after(job, name, v, listed[v], shared, partitions) for v in (before, upto))
+    if old is None or new is None:
+        return old, new
+    columns = pane_schema(job.spec.value_type).names
+    return _anti(old, new, columns), _anti(new, old, columns)
+
+
+def planned_rows(job: BatchContext, plan: dict[str, Any]) -> int:
+    """About how many upstream pane rows the batch reads (file statistics, no row read): sizes the batch."""
+    total = 0
+    for name, rng in (plan["versions"].get("upstreams") or {}).items():
+        before, upto = rng["from"], rng["to"]
+        if before == upto:
+            continue
+        if before is None:
+            total += rows_of(snapshot_files(job.tables, name, "panes", upto))
+            continue
+        lo, hi = sorted(-1 if v is None else v for v in (before, upto))
+        if upto is not None and upto > before and not job.tables.rewinds(name, "panes", lo, hi):
+            total += rows_of(added_files(job.tables, name, "panes", before, upto))
+        else:  # across a rewind: at most both versions' rows
+            total += sum(rows_of(snapshot_files(job.tables, name, "panes", v)) for v in (before, upto))
+    return total
+
+
+def _read(job: BatchContext, name: str, version: int, files: list[DataFile], partitions: int):
+    """The pane rows of ``files`` (of ``name``'s panes at ``version``), in the stage's pane columns; None if none."""
+    from pyspark.sql import functions as F
+
+    if not files:
+        return None
+    schema = pane_schema(job.spec.value_type)
+    rows = spark_io.read_table(job.spark, job.tables, name, "panes", version, only=[f.location for f in files],
+                               tasks=partitions)
+    vtype = "bigint" if job.spec.value_type == "int" else "double"
+    return rows.select(*(F.col(c).cast(vtype).alias(c) if c == "value" else F.col(c) for c in schema.names))
+
+
+def _last_batch(job: BatchContext, name: str, version: int | None, files: list[DataFile], partitions: int) -> int:
+    """The upstream's last batch in its panes at ``version`` (0: none), from the files' statistics, else one
+    aggregate over its rows."""
+    from pyspark.sql import functions as F
+
+    if version is None:
+        return 0
+    known = column_max(files, "batch")
+    if known is not None:
+        return known
+    rows = spark_io.read_table(job.spark, job.tables, name, "panes", version, only=[f.location for f in files],
+                               tasks=partitions)
+    return int(rows.agg(F.max("batch")).collect()[0][0] or 0)
+
+
+def _panes_after(job: BatchContext, name: str, version: int | None, files: list[DataFile], batch: int,
+                 partitions: int):
+    """The pane rows of ``version`` above ``batch`` (a file whose statistics say none are there is not read)."""
+    from pyspark.sql import functions as F
+
+    if version is None:
+        return None
+    wanted = [f for f in files if f.rows != 0 and (f.maxs.get("batch") is None or f.maxs["batch"] > batch)]
+    rows = _read(job, name, version, wanted, partitions)
+    if rows is None:
+        return job.spark.createDataFrame([], spark_io.spark_schema(pane_schema(job.spec.value_type)))
+    return rows.where(F.col("batch") > F.lit(batch))
+
+
+def _anti(rows, other, cols: list[str]):
+    """``rows`` not in ``other``, comparing every column (``cols``: both frames') with nulls equal (the local
+    engine's row ids)."""
+    from pyspark.sql import functions as F
+
+    renamed = other.select(*(F.col(c).alias(f"_o{i}") for i, c in enumerate(cols)))
+    same = functools.reduce(lambda a, b: a & b, (F.col(c).eqNullSafe(F.col(f"_o{i}")) for i, c in enumerate(cols)))
+    return rows.join(renamed, same, "left_anti")
+
+
+def pane_elements(job: BatchContext, name: str, rows, rng: dict[str, Any], rank: int, partitions: int,
+                  undo: bool = False):
+    """One element per pane row, as ``steps.upstream.pane_elements``: what the pane changed in its window's value
+    (negated for ``undo``), its id naming the upstream's epoch, key, window, pane index and kind."""
+    from pyspark.sql import functions as F
+
+    up = job.spec.upstream
+    value, retraction = F.col("value"), F.col("kind") == F.lit("retraction")
+    if rng["accumulation"] == "accumulating_and_retracting":
+        value = F.when(retraction, -value).otherwise(value)
+    elif rng["accumulation"] == "accumulating":
+        rows = _with_previous(job, name, rows, rng["to"], partitions)
+        value = value - F.coalesce(F.col("_prev"), F.lit(0))
+    if undo:
+        value = -value
+    epoch = rng.get("epoch") or 0
+    tag = ("undo|" if undo else "") + (name if not epoch else f"{name}#{epoch + 1}")
+    start, end = F.unix_micros("window_start"), F.unix_micros("window_end")
+    parts = (F.col("key"), start.cast("string"), end.cast("string"), F.col("pane_index").cast("string"), F.col("kind"))
+    ident = F.concat(F.lit(tag), *(p for c in parts for p in (F.lit("|"), c)))  # null if a part is, as in Arrow
+    key = F.col("key") if up.key == "keep" else F.lit(ALL_KEY)
+    event_time = start if up.event_time == "window_start" else end - F.lit(1)
+    return rows.select(ident.alias("id"), key.alias("key"), value.alias("value"), event_time.alias("event_time"),
+                       F.unix_micros("processing_time").alias("arrival_time"), F.lit(rank).alias("file_rank"),
+                       (F.col("batch").cast("long") * F.lit(1 << 32) + F.col("seq")).alias("pos"))
+
+
+def _with_previous(job: BatchContext, name: str, rows, version: int | None, partitions: int):
+    """``rows`` with ``_prev``: over an accumulating upstream, the value of its window's previous value pane as
+    of ``version`` (null for a window's first), as ``steps.upstream.previous_values``."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    hist = _read(job, name, version, snapshot_files(job.tables, name, "panes", version), partitions)
+    if hist is None:
+        return rows.withColumn("_prev", F.lit(None).cast("bigint" if job.spec.value_type == "int" else "double"))
+    bounds = rows.agg(F.min("window_start").alias("_lo"), F.max("window_start").alias("_hi"))
+    windows = rows.select(*PANE_KEY).distinct()
+    hist = (hist.where("kind = 'value'").crossJoin(F.broadcast(bounds))
+            .where(F.col("window_start").between(F.col("_lo"), F.col("_hi")))
+            .join(windows, PANE_KEY, "left_semi"))
+    prev = hist.select(*PANE_KEY, "pane_index", F.lag("value").over(
+        Window.partitionBy(*PANE_KEY).orderBy("pane_index")).alias("_prev"))
+    return rows.join(prev, [*PANE_KEY, "pane_index"], "left")

@@ -1,0 +1,142 @@
+"""No step of a Spark batch funnels the batch's rows through one task: a validated multi-stage batch (several
+partitions wide) runs against a Connect server, and its Spark UI (the REST API) is read for every stage's
+tasks and records and every SQL execution's physical plan. A stage of one task that handles more than a
+handful of rows, or a window function without ``partitionBy`` (Spark's "No Partition Defined for Window
+operation!", an ``Exchange SinglePartition`` under a ``Window``), fails the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from millpond.lake.objectstore import ObjectStore
+from millpond.orchestration.processes import free_port
+from millpond.orchestration.spark_server import SparkConnectServer
+from session_specs import SESSIONS
+
+from bench.workload import WorkloadSpec, generate, land
+
+#: the rows a one-task stage may handle (final aggregates, the batch's values, the written files' rows)
+FEW = 1_000
+#: a one-task stage that reads kept rows and only returns this much to the driver samples them: a range
+#: exchange's partitioner samples a partition that holds most of its input again, alone (Spark's
+#: ``RangePartitioner``, its imbalanced partitions); it hands no rows on
+SAMPLE_RESULT_BYTES = 64 * 1024
+WORKLOAD = WorkloadSpec(events=40_000, keys=2_000, batches=2, seed=11)
+CLIENT = """
+import json, sys
+from millpond.config import load_settings
+from millpond.model.spec import pipeline_from_dict
+from millpond.model.timeutil import to_datetime
+from millpond.runtime.engines import spark_batch
+from millpond.runtime.engines.spark_client import connect
+from millpond.runtime.job import run_batch
+doc, url, times = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+spark_batch.ROWS_PER_TASK = 5_000  # a 40k-row batch as several tasks, as a 1M-row batch is
+settings = load_settings().with_overrides(engine="spark", spark_connect=url, engine_one_task_below=0,
+                                          engine_local_below=0, spark_shuffle_partitions=4)
+spark = connect(settings)
+out = [run_batch(settings, pipeline_from_dict(doc), to_datetime(at), validate=True, spark=spark) for at in times]
+print(json.dumps([{"engine": r.engine, "panes": r.counts["panes"],
+                   "retractions": r.counts["retractions"]} for r in out]))
+"""
+
+
+def _get(ui: str, path: str):
+    with urllib.request.urlopen(f"{ui}/api/v1/applications{path}", timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def funnels(stages: list[dict], plan_of: dict[int, str] | None = None) -> list[str]:
+    """Stages of one task that handle more than ``FEW`` rows (read, written, shuffled in or out), each with the
+    physical plan of its SQL execution (``plan_of``: by stage id)."""
+    out = []
+    for s in stages:
+        rows = max(s.get(k, 0) for k in ("inputRecords", "outputRecords", "shuffleReadRecords",
+                                          "shuffleWriteRecords"))
+        sample = (not any(s.get(k, 0) for k in ("outputRecords", "shuffleReadRecords", "shuffleWriteRecords"))
+                  and s.get("resultSize", 0) < SAMPLE_RESULT_BYTES)
+        if s["numTasks"] == 1 and rows > FEW and not sample:
+            plan = (plan_of or {}).get(s["stageId"], "")
+            out.append(f"stage {s['stageId']}: 1 task, {rows} rows; plan: {plan[plan.find('== Physical'):][:1500]}")
+    return out
+
+
+def unpartitioned_windows(plan: str) -> list[str]:
+    """``Window`` nodes whose input is gathered into one partition (a window function without ``partitionBy``)."""
+    lines = plan.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if not line.lstrip("+-: ").startswith("Window "):
+            continue
+        for below in lines[i + 1:]:
+            node = below.lstrip("+-: ").lstrip("*()0123456789 ")
+            if node.startswith("Sort "):
+                continue
+            if node.startswith("Exchange SinglePartition"):
+                found.append(line.strip()[:160])
+            break
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_validated_batch_never_funnels_its_rows_through_one_task(settings, tables, pipeline_name,
+                                                                     tmp_path) -> None:
+    events = generate(WORKLOAD)
+    land(ObjectStore(settings), settings.bucket_landing, f"{pipeline_name}/", WORKLOAD, events)
+    doc = {"name": pipeline_name, "source": {"prefix": f"{pipeline_name}/"}, **SESSIONS, "allowed_lateness": "1h"}
+    times = [WORKLOAD.start_us + (b + 1) * WORKLOAD.interval_us for b in range(WORKLOAD.batches)]
+    server_settings = settings.with_overrides(home=tmp_path, spark_connect_port=free_port(),
+                                              spark_ui_port=free_port(), spark_master="local[2]")
+    server = SparkConnectServer(server_settings)
+    server.start()
+    try:
+        proc = subprocess.run([sys.executable, "-c", CLIENT, json.dumps(doc), server_settings.spark_connect_url,
+                               json.dumps(times)], capture_output=True, text=True, timeout=900, env=dict(os.environ))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        ran = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert all(r["panes"] and r["engine"] == "spark/plan" for r in ran) and ran[-1]["retractions"], ran
+        ui = server.ui_url
+        app = _get(ui, "")[0]["id"]
+        stages = _get(ui, f"/{app}/stages")
+        executions = _get(ui, f"/{app}/sql?details=true&planDescription=true&length=10000")
+        plans = [e.get("planDescription", "") for e in executions]
+        by_job = {j: e.get("planDescription", "") for e in executions
+                  for j in e.get("successJobIds", []) + e.get("failedJobIds", []) + e.get("runningJobIds", [])}
+        plan_of = {st: by_job.get(j["jobId"], "") for j in _get(ui, f"/{app}/jobs") for st in j["stageIds"]}
+    finally:
+        server.stop()
+    assert max(s["numTasks"] for s in stages) > 1, "the batch was not several partitions wide"
+    assert any("Window" in p for p in plans)  # dedup and the quality checks are window functions
+    assert not [w for p in plans for w in unpartitioned_windows(p)], [w for p in plans
+                                                                       for w in unpartitioned_windows(p)]
+    assert not funnels(stages), funnels(stages, plan_of)
+    # a window behind a checkpoint is planned outside any SQL execution: Spark's own warning names it
+    log = (tmp_path / "log" / "spark-connect.log").read_text(errors="replace")
+    assert "No Partition Defined for Window operation" not in log
+
+
+def test_a_file_is_read_for_its_timers_only_when_one_may_be_due() -> None:
+    """``spark_state.due`` by a file's statistics: its earliest timer of either kind at or before the batch's
+    clock, a timer column without statistics (it may be due), never a column that is null throughout."""
+    from datetime import UTC, datetime
+
+    from millpond.model.clock import BatchClock
+    from millpond.runtime.engines.spark_state import _key_range, due
+
+    clock = BatchClock(batch=3, processing_time=2_000_000, input_watermark=0, watermark=1_000_000)
+    at = lambda us: datetime.fromtimestamp(us / 1e6, UTC)  # noqa: E731
+    later = {"num_records": 5, "min.event_timer": at(1_001_000), "null_count.event_timer": 0,
+             "null_count.ptime_timer": 5, "min.key": "a", "max.key": "c"}
+    assert not due(later, clock)
+    assert due({**later, "min.event_timer": at(1_000_000)}, clock)
+    assert due({**later, "null_count.ptime_timer": 4}, clock)  # a processing-time timer, no statistic for it
+    assert due({**later, "null_count.ptime_timer": 4, "min.ptime_timer": at(2_000_000)}, clock)
+    assert not due({**later, "null_count.ptime_timer": 4, "min.ptime_timer": at(2_001_000)}, clock)
+    assert _key_range(later) == ("a", "c") and _key_range({**later, "min.key": None}) is None
+    assert _key_range({**later, "max.key": "k" * 32}) == ("a", None)  # perhaps cut short: no upper bound
