@@ -53,13 +53,13 @@ if TYPE_CHECKING:
 ROWS_PER_TASK = 250_000
 
 
-def _ts(column: str):
+def ts_column(column: str):
     from pyspark.sql import functions as F
 
     return F.timestamp_micros(F.col(column)).alias(column)
 
 
-def _batch_column():
+def batch_column():
     """The tables' ``batch`` column, from the batch's values row (``runtime.spark_values``)."""
     from pyspark.sql import functions as F
 
@@ -198,7 +198,7 @@ def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes
     and an old id re-delivered after it was a late row here and a duplicate there)."""
     from pyspark.sql import functions as F
 
-    batch = _batch_column()
+    batch = batch_column()
     # one job for every count the writes need: rows per table and kind, and the (day, hour) partitions of
     # ``window_end`` the current rows touch
     is_current = F.col("tbl") == "current"
@@ -214,21 +214,22 @@ def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes
     state_read = sum(r["n"] for r in groups if r["tbl"] == "read")
     pane_type, value_type = job.spec.pane_value_type, job.spec.value_type
     late = with_values(out.where("tbl = 'late'"), values).select(
-        "id", "key", F.col("late_value").alias("value"), _ts("event_time"), _ts("arrival_time"), "reason", batch)
+        "id", "key", F.col("late_value").alias("value"), ts_column("event_time"), ts_column("arrival_time"),
+        "reason", batch)
     # at most ``partitions`` tasks (files) per table: ``bad`` has one partition per landing file
     quarantine = with_values(bad, values).select("source_file", "line", "raw", "reason", batch).coalesce(partitions)
-    own = with_values(accepted, values).select("id", _ts("event_time"), batch)
+    own = with_values(accepted, values).select("id", ts_column("event_time"), batch)
     appends = [("late", late, late_schema(value_type)), ("panes", panes, pane_schema(pane_type)),
                ("quarantine", quarantine, QUARANTINE_SCHEMA)]
     writes: list[tuple[str, Any, Callable[[list[dict]], Any]]] = []
     for table, df, schema in appends:
         if tally.get(f"{table}:", 0) or (table == "quarantine" and quarantined) or tally.get(f"{table}:value") \
                 or tally.get(f"{table}:retraction"):
-            writes.append(_append(job, txn, table, df, schema))
+            writes.append(append_write(job, txn, table, df, schema))
     if accepted_rows and keep_from is None:
-        writes.append(_append(job, txn, "seen_ids", own, SEEN_SCHEMA))
+        writes.append(append_write(job, txn, "seen_ids", own, SEEN_SCHEMA))
     elif accepted_rows:
-        writes.append(_rewrite_seen(job, txn, seen, own, values, versions["seen_ids"], partitions))
+        writes.append(rewrite_seen(job, txn, seen, own, values, versions["seen_ids"], partitions))
     if state_changes:
         writes.append(_rewrite_windows(job, txn, values, out, stored_files, stored, partitions, state_changes))
     if touched:
@@ -255,8 +256,9 @@ def panes_frame(out, values):
         F.coalesce(F.sum("_m"), F.lit(0)).cast("long").alias("_off"))
     rows = out.where("tbl = 'panes'").join(F.broadcast(offsets), F.col("part") == F.col("_p"))
     return with_values(rows, values).select(
-        "key", _ts("window_start"), _ts("window_end"), F.col("pane_value").alias("value"), "pane_index", "timing",
-        "is_last", "kind", _batch_column(),
+        "key", ts_column("window_start"), ts_column("window_end"), F.col("pane_value").alias("value"),
+        "pane_index", "timing",
+        "is_last", "kind", batch_column(),
         F.timestamp_micros("_processing_time").alias("processing_time"),
         F.timestamp_micros("_watermark").alias("watermark"),
         (F.col("_off") + F.col("seq")).cast("long").alias("seq"))
@@ -268,23 +270,24 @@ def validate_batch(job: BatchContext, clock: BatchClock, values, accepted, out, 
 
     from millpond.runtime.steps.validate import validate_spark
 
-    raw = accepted.select("id", "key", "value", _ts("event_time"))
+    raw = accepted.select("id", "key", "value", ts_column("event_time"))
     state = with_values(out.where("tbl = 'state' AND NOT deleted"), values).select(
-        "key", _ts("window_start"), _ts("window_end"), "state", _ts("event_timer"), _ts("ptime_timer"),
-        _batch_column())
+        "key", ts_column("window_start"), ts_column("window_end"), "state", ts_column("event_timer"),
+        ts_column("ptime_timer"),
+        batch_column())
     validate_spark(job, clock, raw, panes, state, lo)
 
 
 Write = tuple[str, Any, Callable[[list[dict]], Any]]
 
 
-def _append(job: BatchContext, txn: Txn, table: str, df, schema: pa.Schema) -> Write:
+def append_write(job: BatchContext, txn: Txn, table: str, df, schema: pa.Schema) -> Write:
     """(table, its lazy write, its commit given the files written)."""
     write = spark_io.write_files(df, job.settings, table, job.settings.table_uri(job.name, table))
     return table, write, lambda files: commit_files(job.tables, job.name, table, files, schema, txn)
 
 
-def _rewrite_seen(job: BatchContext, txn: Txn, seen, own, values, version: int, partitions: int) -> Write:
+def rewrite_seen(job: BatchContext, txn: Txn, seen, own, values, version: int, partitions: int) -> Write:
     """``seen_ids`` replaced by the earlier ids still within the dedup horizon plus this batch's (the local
     engine's fold, ``steps.dedup.seen_keep_from``): ids expire, so the table dedup reads stays bounded."""
     from pyspark.sql import functions as F
@@ -309,8 +312,9 @@ def _rewrite_windows(job: BatchContext, txn: Txn, values, out, files: StateFiles
     changes = out.where("tbl = 'state'").select(
         "key", "window_start", "window_end", "state", "event_timer", "ptime_timer", "deleted")
     new = with_values(changes.where("NOT deleted"), values).select(
-        "key", _ts("window_start"), _ts("window_end"), "state", _ts("event_timer"), _ts("ptime_timer"),
-        _batch_column(), F.lit(False).alias("deleted"))
+        "key", ts_column("window_start"), ts_column("window_end"), "state", ts_column("event_timer"),
+        ts_column("ptime_timer"),
+        batch_column(), F.lit(False).alias("deleted"))
     removes: list[dict] = []
     if files is not None:
         removes = files.removes
@@ -340,8 +344,9 @@ def _rewrite_current(job: BatchContext, txn: Txn, values, out, parts: set[tuple[
     on = ["key", "window_start", "window_end"] + (["pane_index"] if job.spec.mode.value == "discarding" else [])
     pane_type = job.spec.pane_value_type
     current = with_values(rows, values).select(
-        "key", _ts("window_start"), _ts("window_end"), F.col("pane_value").alias("value"), "pane_index", "timing",
-        _batch_column(), "deleted")
+        "key", ts_column("window_start"), ts_column("window_end"), F.col("pane_value").alias("value"),
+        "pane_index", "timing",
+        batch_column(), "deleted")
     current = current.withColumn("window_end_day", F.to_date("window_end")).withColumn(
         "window_end_hour", F.hour("window_end").cast("int"))
     dt = job.tables.open(job.name, "current")

@@ -388,7 +388,7 @@ def _write(job: BatchContext, work: BatchWork, clock: BatchClock, out, bad, acce
            tally: dict[str, int], schemas: dict[str, pa.Schema], partitions: int) -> None:
     """Every table's files from the executors in one Spark job; each table's commit queued (``job.commits``)
     under the batch's transaction, with the local engine's step names."""
-    from millpond.runtime.engines.spark_batch import _append, _batch_column, _rewrite_seen, _ts
+    from millpond.runtime.engines.spark_batch import append_write, batch_column, rewrite_seen, ts_column
     from millpond.runtime.engines.spark_values import batch_values, with_values
     from millpond.runtime.steps.dedup import seen_keep_from
 
@@ -397,12 +397,13 @@ def _write(job: BatchContext, work: BatchWork, clock: BatchClock, out, bad, acce
     values = batch_values(job.spark, batch=clock.batch, keep_from=keep_from)
     steps: list[Step] = []
     if counts["quarantined"]:  # at most ``partitions`` files: ``bad`` has a partition per landing file
-        rows = with_values(bad, values).select("source_file", "line", "raw", "reason", _batch_column())
-        steps.append(("quarantine", *_append(job, txn, "quarantine", rows.coalesce(partitions), QUARANTINE_SCHEMA)))
+        rows = with_values(bad, values).select("source_file", "line", "raw", "reason", batch_column())
+        steps.append(("quarantine", *append_write(job, txn, "quarantine", rows.coalesce(partitions),
+        QUARANTINE_SCHEMA)))
     if counts["accepted"]:  # a batch that accepts nothing leaves seen_ids alone, as on the local engine
-        own = with_values(accepted, values).select("id", _ts("event_time"), _batch_column())
-        steps.append(("seen_ids", *(_append(job, txn, "seen_ids", own, SEEN_SCHEMA) if keep_from is None else
-                                    _rewrite_seen(job, txn, seen, own, values, versions["seen_ids"], partitions))))
+        own = with_values(accepted, values).select("id", ts_column("event_time"), batch_column())
+        steps.append(("seen_ids", *(append_write(job, txn, "seen_ids", own, SEEN_SCHEMA) if keep_from is None else
+                                    rewrite_seen(job, txn, seen, own, values, versions["seen_ids"], partitions))))
     if tally["state_changes"]:
         steps.append(_rewrite(job, txn, out, "comp_state", versions.get("comp_state")))
     if tally["timer_changes"]:

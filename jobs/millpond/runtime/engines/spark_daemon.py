@@ -23,7 +23,9 @@ def preload() -> None:
 
     import millpond.lake.landing  # noqa: F401
     import millpond.lake.spark_io  # noqa: F401
+    import millpond.runtime.engines.spark_computation  # noqa: F401
     import millpond.runtime.engines.spark_keys  # noqa: F401
+    import millpond.runtime.engines.spark_upstream  # noqa: F401
 
 
 if __name__ == "__main__":
