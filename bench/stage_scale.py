@@ -42,10 +42,11 @@ def bare_stage(spark, settings, req: dict[str, Any]) -> dict[str, Any]:
 class StageScaleMeasures:
     """Measure methods of ``bench.harness.Bench`` (mixed in)."""
 
-    def _stage_over(self, events: int) -> dict[str, Any]:
+    def _stage_over(self, rows: int) -> dict[str, Any]:
         """The upstream's batches + flush on the Spark engine (one client), then the stage's one batch in a fresh
-        client (its peak RSS is the stage batch's own)."""
-        wl = self.workload(events, max(1, events // 5), seed=41)
+        client (its peak RSS is the stage batch's own). ``rows``: about the upstream pane rows wanted: twice as many
+        events over as many keys give about one (key, minute) window per event and a half."""
+        wl = self.workload(2 * rows, max(1, rows), seed=41)
         up = self.spark_engine_batch("fixed", wl, flush=True)
         stage = {"name": f"bench_stage_{uuid.uuid4().hex[:8]}", "value_type": "int",
                  "source": {"pipeline": up["pipeline"], "stream": "panes", "key": "all", "event_time": "window_start"},
@@ -60,12 +61,13 @@ class StageScaleMeasures:
                 "peak_rss_gib": res["peak_rss_gib"], "path": b["path"]}
 
     def measure_stage_scale(self) -> None:
-        n = self.plan.stage_scale_events
+        n = self.plan.stage_scale_rows
         if not n:
             return
         self.connect_url()
-        self.log(f"stage on the Spark engine: a stage batch over the panes of {n} upstream events, and of 1k")
+        self.log(f"stage on the Spark engine: a stage batch over about {n} upstream pane rows, and about 1k")
         small, big = self._stage_over(1_000), self._stage_over(n)
+        self.log(f"  upstream panes consumed: {small['counts'].get('input')} and {big['counts'].get('input')}")
         self.log(f"  1k: {small['seconds']}s, RSS {small['peak_rss_gib']} GiB; {n}: {big['seconds']}s, "
                  f"{big['counts'].get('input')} pane rows, RSS {big['peak_rss_gib']} GiB {big['phases']}")
         peer = self.client({"mode": "bare_stage", "upstream": big["upstream"],

@@ -31,7 +31,7 @@ SHARED_WORKER = {"test_airflow_dagtest": "airflow", "test_airflow_ui": "airflow"
 LONGEST_FIRST = ("test_spark_engine", "test_airflow_dagtest", "test_airflow_ui", "test_airflow_postgres",
                  "test_differential_beam", "test_bench_smoke", "test_quality_spark", "test_operations_random",
                  "test_cores", "test_exactly_once",
-                 "test_conformance_paper", "test_flink_peer")
+                 "test_conformance_paper", "test_flink_peer", "test_bounded_waits")
 
 
 def _stem(nodeid: str) -> str:

@@ -380,22 +380,12 @@ def test_the_whole_corpus_gives_the_same_tables_on_both_engines(settings, tables
         same_tables(tables, names["local"], name)
 
 
-#: issue 36, item 4: a divergence between the engines this battery found (jobs/ is another change's)
-WINDOWS_VERSION_DIVERGES = (
-    "the local engine's MERGE of a batch's window state (steps.commit.commit_outputs) creates an empty `windows` "
-    "table when every window the batch opened also closed in it (its state rows are all deletions) and the table "
-    "did not exist: the marker names windows version 0. The Spark engine commits nothing then (plan: "
-    "spark_batch._rewrite_windows writes no file; one task: spark_task._queue_commits; commit_files skips a "
-    "commit without adds or removes): the marker names no windows version (null). Same rows (none); the next "
-    "batch's plan pins version 0 on one engine, nothing on the other. (Left out of the battery's comparisons "
-    "meanwhile: tests/engines.py, DIVERGING_VERSIONS.)")
-
-
-@pytest.mark.xfail(strict=True, reason=WINDOWS_VERSION_DIVERGES)
-def test_a_batch_that_closes_every_window_it_opened_names_no_windows_version(settings, tables, corpus_landed,
-                                                                             request) -> None:
+def test_a_batch_closing_every_window_it_opened_names_one_windows_version_on_both_engines(settings, tables,
+                                                                                      corpus_landed, request) -> None:
     """The corpus's batch (fixed one-minute windows, all behind its watermark) opens windows and closes them all:
-    its marker names the same table versions on both engines."""
+    its marker names the same table versions on both engines. (Found by this battery: the local engine's MERGE
+    created an empty ``windows`` table, the Spark engine committed nothing and named no version;
+    ``lake.file_commits.commit_files`` now creates the table empty too.)"""
     names, p1 = corpus_landed
     for run in ENGINES:  # run by the test above, or here (a committed batch is skipped)
         spark = request.getfixturevalue("spark") if run == "spark" else None

@@ -13,7 +13,7 @@ Beam (2.77, BundleBasedDirectRunner + TestStream) runs in its own virtualenv
    is_last and emission processing time. Only combinations Beam gets right are generated (see
    the "known bugs" list in the module docstring of beam_runner.py and ``generate_scenario``).
    Each runs on both engines (``engine``): the local one by the replay CLI, the Spark one in this process
-   (the session's ``spark``, one Spark task a batch), whose tables must be the local engine's
+   (the session's ``spark``, one Spark task a batch unless told), whose tables must be the local engine's
    (``tests/engines.py``: panes, current, windows, seen_ids, late, quarantine, markers apart from timings).
 3. Properties of our output alone for accumulating_and_retracting (Beam has no such mode): per
    window values minus retractions equal the accumulating result, live sessions of a key never
@@ -21,6 +21,7 @@ Beam (2.77, BundleBasedDirectRunner + TestStream) runs in its own virtualenv
 
 The module skips (with the reason, shown by ``-ra``) only if the Beam virtualenv cannot be built.
 ``MILLPOND_DIFF_SCENARIOS`` (default 6) and ``MILLPOND_DIFF_SEED`` (default 0) size the random part;
+``MILLPOND_DIFF_SPARK_STRATEGY=plan`` runs the Spark engine's side as the multi-stage plan (default: one task);
 failing scenarios are kept under ``test-artifacts/differential/`` for replaying by hand.
 """
 
@@ -50,6 +51,8 @@ RUNNER = REFERENCE / "beam_runner.py"
 ARTIFACTS = REPO / "test-artifacts" / "differential"
 N_RANDOM = int(os.environ.get("MILLPOND_DIFF_SCENARIOS", "6"))
 SEED = int(os.environ.get("MILLPOND_DIFF_SEED", "0"))
+#: the Spark engine's strategy for the scenarios: one task a batch (plan: the multi-stage plan, seconds a batch)
+SPARK_STRATEGY = os.environ.get("MILLPOND_DIFF_SPARK_STRATEGY", ONE_TASK)
 
 pytestmark = [pytest.mark.beam, pytest.mark.slow]
 
@@ -206,7 +209,8 @@ def ours(scenario: Scenario, folder: Path, engine: str, request) -> tuple[str, l
             _OURS[key] = name, run_engine(scenario, folder / "engine", name)
         else:
             _OURS[key] = name, run_engine_on_spark(request.getfixturevalue("settings"),
-                                                   request.getfixturevalue("spark"), scenario, folder / "spark", name)
+                                                   request.getfixturevalue("spark"), scenario, folder / "spark", name,
+                                                   SPARK_STRATEGY)
     return _OURS[key]
 
 

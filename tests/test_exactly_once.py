@@ -108,7 +108,8 @@ SEED = int(os.environ.get("MILLPOND_KILL_SEED", "36"))
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_sigkill_at_random_points_then_retry_converges(settings, tables, reference, engine, request) -> None:
+def test_sigkill_at_random_points_then_retry_converges(settings, tables, reference, engine, request,
+                                                       tmp_path) -> None:
     """The client of batch 3 SIGKILLed at random moments, three times over (in its reads, in its per-key step
     and writes, in its commits), each retry redoing the batch from its committed plan; the last one finishes
     with the local engine's uninterrupted tables. On Spark, batch 3 runs as the multi-stage plan (the others as
@@ -121,9 +122,11 @@ def test_sigkill_at_random_points_then_retry_converges(settings, tables, referen
            "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-c", PROGRESS_CLIENT, name, str(PIPELINE), str(EVENTS), "3"]
     killed = []
-    for trigger in KILL_AFTER:
+    for n, trigger in enumerate(KILL_AFTER):
         delay = rng.uniform(0.0, 0.2 if engine == "spark" else 0.05)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        errors = tmp_path / f"client-{n}.err"  # a file: a pipe nobody reads could stall the client
+        with errors.open("w") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         try:
             seen = []
             for line in proc.stdout:
@@ -131,7 +134,7 @@ def test_sigkill_at_random_points_then_retry_converges(settings, tables, referen
                 if line.startswith(f"{name} batch 3: {trigger}"):
                     break
             else:
-                pytest.fail(f"no '{trigger}' in batch 3's progress: {seen[-20:]} {proc.stderr.read()[-2000:]}")
+                pytest.fail(f"no '{trigger}' in batch 3's progress: {seen[-20:]} {errors.read_text()[-2000:]}")
             time.sleep(delay)
             # on Spark, before the commits: at the first moment after that a job of the batch runs on the server
             in_job = connect.wait_for_a_job(60.0) if connect is not None and trigger != "commit started" else None
@@ -142,7 +145,6 @@ def test_sigkill_at_random_points_then_retry_converges(settings, tables, referen
                 proc.kill()
                 proc.wait(timeout=60)
             proc.stdout.close()
-            proc.stderr.close()
         assert proc.returncode == -9, f"the client ended before the kill ({trigger} + {delay:.3f}s): {seen[-5:]}"
         killed.append((trigger, round(delay, 3), in_job))
     if engine == "spark":  # the plan's jobs were running when their client died
@@ -151,6 +153,11 @@ def test_sigkill_at_random_points_then_retry_converges(settings, tables, referen
     assert finished.returncode == 0 and finished.stdout.rstrip().endswith("finished"), finished.stderr[-2000:]
     summaries = [line for line in finished.stdout.splitlines() if " batch " in line and " @ " in line]
     assert summaries and all(f"; engine {engine}" in line for line in summaries), summaries
+    if engine == "spark":  # batch 3 (redone here) as the plan's Spark jobs, batch 4 as one task
+        progress = {b: [line.split(": ", 1)[1] for line in finished.stdout.splitlines()
+                        if line.startswith(f"{name} batch {b}: ")] for b in (3, 4)}
+        assert any(line.startswith("ingest started") and "spark" in line for line in progress[3]), progress
+        assert [any(line.startswith("spark_task done") for line in progress[b]) for b in (3, 4)] == [False, True]
     assert_same(reference, snapshot(tables, name), f"{engine}, killed at {killed}")
 
 

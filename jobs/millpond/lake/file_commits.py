@@ -27,6 +27,9 @@ def commit_files(tables: Tables, pipeline: str, name: str, files: Sequence[dict]
     now = int(time.time() * 1000)
     gone = [RemoveAction(r["path"], True, now, r.get("size"), r.get("partition_values")) for r in removes]
     if not adds and not gone:
+        if dt is None:  # as the local engine's MERGE of nothing (a batch closing every window it opened): the
+            # table exists after the batch, empty, and the marker names its version
+            tables.ensure(pipeline, name, schema, partition_by=partition_by, stats_columns=stats_columns)
         return False
     dt = dt or tables.ensure(pipeline, name, schema, partition_by=partition_by, stats_columns=stats_columns)
     try:
