@@ -553,6 +553,18 @@ class Bench(SparkEngineMeasures, SparkPeerMeasures, LakeBytesMeasures, EnginesAg
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         return {**out, "events_per_s": round(out["events"] / out["seconds"], 1), **mem}
 
+    def flink_or_note(self, wl: Workload, what: str) -> dict[str, Any] | None:
+        """The Flink peer's run (logged), or None with a note: a peer failing must not lose our figures."""
+        try:
+            flink = self.flink(wl)
+        except Exception as exc:  # noqa: BLE001 - any failure of the peer's process or parse
+            self.notes.append(f"{what} failed: {exc}")
+            self.log(f"  Flink failed: {exc}")
+            return None
+        self.log(f"  Flink {flink['seconds']}s net ({flink['wall_s']}s with its mini-cluster's start; "
+                 f"{flink['cpu_s']} CPU s), {flink['panes']} panes, {flink['retractions']} retractions")
+        return flink
+
     def flink(self, wl: Workload) -> dict[str, Any]:
         """The Flink peer (own venv; ``tests/reference/flink_bench.py``) on a local copy of the workload's
         landing files: sessions with early, on-time and late panes and retractions. ``seconds`` is the
@@ -955,15 +967,9 @@ class Bench(SparkEngineMeasures, SparkPeerMeasures, LakeBytesMeasures, EnginesAg
         self.log(f"Flink: {wl.input_events} events in one batch, {wl.spec.keys} keys, sessions")
         runs = [self._ours_with_cpu(self.pipeline("sessions", wl), wl)]
         self.log(f"  ours {runs[0]['seconds']}s ({runs[0]['cpu_s']} CPU s)")
-        try:
-            flink = self.flink(wl)
-        except Exception as exc:  # noqa: BLE001 - a peer failing must not lose our figures
-            self.notes.append(f"Flink peer failed: {exc}")
-            self.log(f"  Flink failed: {exc}")
+        flink = self.flink_or_note(wl, "Flink peer")
+        if flink is None:
             return
-        self.log(f"  Flink {flink['seconds']}s net ({flink['wall_s']}s with its mini-cluster's start; "
-                 f"{flink['cpu_s']} CPU s), "
-                 f"{flink['panes']} panes, {flink['retractions']} retractions")
         spec = self.pipeline("sessions", wl)
         runs.append(self._ours_with_cpu(spec, wl))
         self.log(f"  ours {runs[1]['seconds']}s ({runs[1]['cpu_s']} CPU s)")

@@ -131,14 +131,9 @@ class SparkPeerMeasures:
         self.log(f"Flink vs the Spark engine: {wl.input_events} events in one batch, {wl.spec.keys} keys, sessions")
         runs = [self.spark_engine_batch("sessions", wl)]
         self.log(f"  ours {runs[0]['seconds']}s {runs[0]['phases']}")
-        try:
-            flink = self.flink(wl)
-        except Exception as exc:  # noqa: BLE001 - a peer failing must not lose our figures
-            self.notes.append(f"Flink peer (Spark engine) failed: {exc}")
-            self.log(f"  Flink failed: {exc}")
+        flink = self.flink_or_note(wl, "Flink peer (Spark engine)")
+        if flink is None:
             return
-        self.log(f"  Flink {flink['seconds']}s net ({flink['wall_s']}s with its mini-cluster's start; "
-                 f"{flink['cpu_s']} CPU s), {flink['panes']} panes, {flink['retractions']} retractions")
         runs.append(self.spark_engine_batch("sessions", wl))
         self.log(f"  ours {runs[1]['seconds']}s {runs[1]['phases']}")
         ours = max(runs, key=lambda r: r["seconds"])
