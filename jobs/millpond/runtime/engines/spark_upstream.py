@@ -166,7 +166,7 @@ def pane_elements(job: BatchContext, name: str, rows, rng: dict[str, Any], rank:
     if rng["accumulation"] == "accumulating_and_retracting":
         value = F.when(retraction, -value).otherwise(value)
     elif rng["accumulation"] == "accumulating":
-        rows = _with_previous(job, name, rows, rng["to"], partitions)
+        rows = _with_previous(job, name, rows, rng["to"], partitions, whole=rng.get("from") is None and not undo)
         value = value - F.coalesce(F.col("_prev"), F.lit(0))
     if undo:
         value = -value
@@ -182,20 +182,25 @@ def pane_elements(job: BatchContext, name: str, rows, rng: dict[str, Any], rank:
                        (F.col("batch").cast("long") * F.lit(1 << 32) + F.col("seq")).alias("pos"))
 
 
-def _with_previous(job: BatchContext, name: str, rows, version: int | None, partitions: int):
+def _with_previous(job: BatchContext, name: str, rows, version: int | None, partitions: int, whole: bool = False):
     """``rows`` with ``_prev``: over an accumulating upstream, the value of its window's previous value pane as
-    of ``version`` (null for a window's first), as ``steps.upstream.previous_values``."""
+    of ``version`` (null for a window's first), as ``steps.upstream.previous_values``. ``whole``: ``rows`` are the
+    upstream's whole panes at ``version`` (a stage's first range, a backfill from scratch), so they hold every
+    earlier pane themselves: the table is not read a second time."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    hist = _read(job, name, version, snapshot_files(job.tables, name, "panes", version), partitions)
-    if hist is None:
-        return rows.withColumn("_prev", F.lit(None).cast("bigint" if job.spec.value_type == "int" else "double"))
-    bounds = rows.agg(F.min("window_start").alias("_lo"), F.max("window_start").alias("_hi"))
-    windows = rows.select(*PANE_KEY).distinct()
-    hist = (hist.where("kind = 'value'").crossJoin(F.broadcast(bounds))
-            .where(F.col("window_start").between(F.col("_lo"), F.col("_hi")))
-            .join(windows, PANE_KEY, "left_semi"))
+    if whole:
+        hist = rows.where("kind = 'value'")
+    else:
+        hist = _read(job, name, version, snapshot_files(job.tables, name, "panes", version), partitions)
+        if hist is None:
+            return rows.withColumn("_prev", F.lit(None).cast("bigint" if job.spec.value_type == "int" else "double"))
+        bounds = rows.agg(F.min("window_start").alias("_lo"), F.max("window_start").alias("_hi"))
+        windows = rows.select(*PANE_KEY).distinct()
+        hist = (hist.where("kind = 'value'").crossJoin(F.broadcast(bounds))
+                .where(F.col("window_start").between(F.col("_lo"), F.col("_hi")))
+                .join(windows, PANE_KEY, "left_semi"))
     prev = hist.select(*PANE_KEY, "pane_index", F.lag("value").over(
         Window.partitionBy(*PANE_KEY).orderBy("pane_index")).alias("_prev"))
     return rows.join(prev, [*PANE_KEY, "pane_index"], "left")
