@@ -40,6 +40,7 @@ def test_workload_lands_as_valid_jsonl() -> None:
     assert max(r[4] - r[3] for r in good) > spec.disorder_bound_s * 1_000_000  # a late tail exists
 
 
+@pytest.mark.timeout(900)  # the in-process measures at smoke sizes: ~2-4 min, more on a loaded box
 def test_bench_smoke(settings, spark, tmp_path) -> None:
     doc = run_bench(settings, SMOKE, spark, tmp_path, log=lambda m: None)
     json.dumps(doc, default=str)  # the document serialises

@@ -278,6 +278,7 @@ def test_every_shipped_pipeline_runs_as_spark_jobs(connect_server) -> None:
     from millpond.lake.objectstore import ObjectStore
 
     local, server = connect_server.settings, connect_server.server
+    server.start()  # idempotent: the module's life test stops the server it shares
     buckets = {"bucket_landing": "shipped-landing", "bucket_lake": "shipped-lake"}  # the shipped names, alone here
     ObjectStore(local.with_overrides(**buckets)).ensure_buckets()
     env = {"MILLPOND_ENGINE": "spark", "MILLPOND_SPARK_CONNECT": local.spark_connect_url,
