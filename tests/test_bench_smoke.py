@@ -26,7 +26,8 @@ SMOKE = Plan("smoke", session_sizes=(2_000,), fixed_sizes=(), spark_path_events=
              structured_streaming=False, over_time_batches=5, over_time_events=200, over_time_keys=50,
              over_time_repeats=2, tiny_events=200, tiny_runs=2, validation_events=0,
              flink_events=0, long_history_batches=12, long_history_events=10, spark_engine_events=0,
-             spark_tiny_runs=0, spark_validation_events=0, spark_over_time_repeats=0, spark_stream_events=0)
+             spark_tiny_runs=0, spark_validation_events=0, spark_over_time_repeats=0, spark_stream_events=0,
+             engines_agree_events=0, stage_scale_rows=0)
 
 
 def test_workload_lands_as_valid_jsonl() -> None:
@@ -119,14 +120,23 @@ def test_bench_spark_engine_smoke(settings, tmp_path) -> None:
 @pytest.mark.timeout(900)
 def test_bench_spark_engine_vs_structured_streaming_smoke(settings, tmp_path) -> None:
     """2k events as 2 micro-batches: ours as two DAG-task-like Connect clients, Structured Streaming on the same
-    server (availableNow per batch as its files land, foreachBatch to Delta via delta-rs)."""
-    plan = replace(SMOKE, spark_stream_events=2_000, spark_stream_batches=2)
+    server (availableNow per batch as its files land, foreachBatch to Delta via delta-rs); then the engines-agree
+    and stage-scale measures at toy sizes, on the same server."""
+    plan = replace(SMOKE, spark_stream_events=2_000, spark_stream_batches=2, engines_agree_events=300,
+                   stage_scale_rows=2_000)
     doc = run_bench(settings, plan, None, tmp_path, log=lambda m: None,
-                    steps=["measure_spark_engine_structured_streaming"])
-    stream = {r["measure"]: r for r in doc["records"]}["sessions_2k_2batches_spark_engine_vs_structured_streaming"]
+                    steps=["measure_spark_engine_structured_streaming", "measure_engines_agree",
+                           "measure_stage_scale"])
+    records = {r["measure"]: r for r in doc["records"]}
+    stream = records["sessions_2k_2batches_spark_engine_vs_structured_streaming"]
     assert stream["ours"] > 0 and stream["peer"] > 0 and isinstance(stream["met"], bool)
     assert len(stream["ours_task_seconds"]) == 2 and stream["counts"]["input"] == 2_020
     assert len(stream["peer_batch_seconds"]) == 2 and len(stream["peer_trigger_seconds"]) == 2
+    # the same tables from both Spark strategies and the local engine (Figure 14 and 300 sessions events)
+    agree = records["tables_identical_across_engines"]
+    assert agree["ours"] == 0 and agree["met"] and set(agree["scenarios"]) == {"fig14", "sessions_300"}, agree
+    stage = records["stage_1m_rows_spark_engine_vs_bare_spark"]  # a stage batch over ~2k upstream pane rows
+    assert stage["ours"] > 0 and stage["peer"] > 0 and stage["rows"] > 1_000 and stage["peer_rows"] > 1_000, stage
 
 
 def test_client_reports_its_own_peak_rss() -> None:

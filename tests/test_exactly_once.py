@@ -123,7 +123,9 @@ def test_sigkill_at_random_points_then_retry_converges(settings, tables, referen
     cmd = [sys.executable, "-c", PROGRESS_CLIENT, name, str(PIPELINE), str(EVENTS), "3"]
     killed = []
     for n, trigger in enumerate(KILL_AFTER):
-        delay = rng.uniform(0.0, 0.2 if engine == "spark" else 0.05)
+        # a Spark job's first moments are slower than the local engine's; the commits are as quick on both (a
+        # kill 0.2 s after 'commit started' came once after batch 3 had committed whole)
+        delay = rng.uniform(0.0, 0.2 if engine == "spark" and trigger != "commit started" else 0.05)
         errors = tmp_path / f"client-{n}.err"  # a file: a pipe nobody reads could stall the client
         with errors.open("w") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
@@ -156,7 +158,8 @@ def test_sigkill_at_random_points_then_retry_converges(settings, tables, referen
     if engine == "spark":  # batch 3 (redone here) as the plan's Spark jobs, batch 4 as one task
         progress = {b: [line.split(": ", 1)[1] for line in finished.stdout.splitlines()
                         if line.startswith(f"{name} batch {b}: ")] for b in (3, 4)}
-        assert any(line.startswith("ingest started") and "spark" in line for line in progress[3]), progress
+        if progress[3]:  # unless the last kill came after batch 3's commits (then the retry starts at batch 4)
+            assert any(line.startswith("ingest started") and "spark" in line for line in progress[3]), progress
         assert [any(line.startswith("spark_task done") for line in progress[b]) for b in (3, 4)] == [False, True]
     assert_same(reference, snapshot(tables, name), f"{engine}, killed at {killed}")
 
