@@ -49,11 +49,12 @@ class Receiver:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
-    def task_events(self, types: set[str], timeout: float = 30.0) -> dict[str, dict]:
-        """The microbatch task's events by type, once every type in ``types`` arrived (they are sent from a fork)."""
+    def task_events(self, types: set[str], timeout: float = 30.0, job: str = JOB) -> dict[str, dict]:
+        """The microbatch task's events by type (or ``job``'s), once every type in ``types`` arrived (they are
+        sent from a fork)."""
         deadline = time.monotonic() + timeout
         while True:
-            found = {e["eventType"]: e for e in list(self.events) if e.get("job", {}).get("name") == JOB}
+            found = {e["eventType"]: e for e in list(self.events) if e.get("job", {}).get("name") == job}
             if types <= set(found) or time.monotonic() > deadline:
                 return found
             time.sleep(0.1)
@@ -107,13 +108,17 @@ def lineage_on(settings: Settings, receiver: Receiver, monkeypatch: pytest.Monke
     _clear_provider_conf()
 
 
-def get_dag(conf_dir: Path, monkeypatch: pytest.MonkeyPatch, table_root: str):
+def get_dag(conf_dir: Path, monkeypatch: pytest.MonkeyPatch, table_root: str, connect=None):
+    """The pipeline's DAG from the real dags/ folder; its batches on the local engine, or with ``connect`` (the
+    session's Connect server) on the Spark engine, every batch a Spark job, as a deployment's tasks run."""
     from airflow.dag_processing.dagbag import DagBag
+    from engines import command_env
     from millpond.orchestration.dagfactory import TASK_ID
 
     monkeypatch.setenv("MILLPOND_CONF_DIR", str(conf_dir))
     monkeypatch.setenv("MILLPOND_TABLE_ROOT", table_root)
-    monkeypatch.setenv("MILLPOND_ENGINE", "local")
+    for key, value in command_env("spark" if connect else "local", connect).items():
+        monkeypatch.setenv(key, value)
     airflow_env.reset_db()
     bag = DagBag(dag_folder=str(airflow_env.DAGS))
     assert bag.import_errors == {}
@@ -167,22 +172,22 @@ def test_without_lineage_configured_nothing_is_emitted(settings: Settings, conf_
 
 
 def test_a_batch_emits_start_and_complete_with_its_datasets_and_facets(
-        settings: Settings, conf_dir: Path, lineage_on: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+        settings: Settings, conf_dir: Path, lineage_on: Receiver, spark_connect,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch on the Spark engine (a Connect client of the session's server, as a deployment's task): the
+    task's START and COMPLETE, and its Spark job's, whose parent is the task's run and whose root the DAG run."""
     import millpond.runtime.engines as engines
 
-    class Conf:
-        def __init__(self) -> None:
-            self.values: dict[str, str] = {}
-
-        def set(self, key: str, value: str) -> None:
-            self.values[key] = value
-
-    class FakeSession:  # stands in for the Connect session: only its confs are looked at (engine local)
-        conf = Conf()
-
+    sessions = []
     choose = engines.choose
-    monkeypatch.setattr(engines, "choose", lambda s, forced=None, **kw: (choose(s, forced, **kw)[0], FakeSession))
-    dag = get_dag(conf_dir, monkeypatch, "tables_lineage")
+
+    def spy(s, forced=None, **kw):  # the real choice; the session kept to read its confs back
+        chosen = choose(s, forced, **kw)
+        sessions.append(chosen[1])
+        return chosen
+
+    monkeypatch.setattr(engines, "choose", spy)
+    dag = get_dag(conf_dir, monkeypatch, "tables_lineage", spark_connect)
     dr = dag.test(logical_date=T0 + STEP, run_conf={"demo": True})
     assert str(dr.state) == "success"
     events = lineage_on.task_events({"START", "COMPLETE"})
@@ -203,13 +208,45 @@ def test_a_batch_emits_start_and_complete_with_its_datasets_and_facets(
     assert batch["processingTime"] == "2026-01-05T12:05:00Z"
     assert batch["watermark"] == "2026-01-05T12:04:00Z"  # processing time minus the pipeline's 1m lag
     assert batch["counts"]["input"] > 0 and "panes" in batch["counts"], batch
+    assert batch["engine"].startswith("spark/"), batch
     assert quality["validated"] is True and quality["ok"] is True, quality
     assert "millpond_batch" not in start["run"]["facets"]
     # the Spark session got the provider's parent properties: this task's run
-    confs = FakeSession.conf.values
+    (session,) = sessions
+    confs = {k: session.conf.get(k) for k in ("spark.openlineage.parentRunId", "spark.openlineage.parentJobName",
+                                              "spark.openlineage.parentJobNamespace")}
     assert confs["spark.openlineage.parentRunId"] == complete["run"]["runId"], confs
     assert confs["spark.openlineage.parentJobName"] == JOB
     assert confs["spark.openlineage.parentJobNamespace"] == complete["job"]["namespace"]
+    # the Spark job's own START and COMPLETE: a child of the task's run, under the DAG run as root
+    spark_job = lineage_on.task_events({"START", "COMPLETE"}, job=JOB + lineage.SPARK_JOB_SUFFIX)
+    assert {"START", "COMPLETE"} <= set(spark_job), [(e["eventType"], e["job"]["name"]) for e in lineage_on.events]
+    job_start, job_end = spark_job["START"], spark_job["COMPLETE"]
+    assert job_start["run"]["runId"] == job_end["run"]["runId"] != complete["run"]["runId"]
+    for event in (job_start, job_end):
+        parent = event["run"]["facets"]["parent"]
+        assert parent["run"]["runId"] == complete["run"]["runId"] and parent["job"]["name"] == JOB, parent
+        assert parent["root"]["job"]["name"] == f"millpond_{airflow_env.PIPELINE}", parent
+        assert parent["root"]["run"]["runId"] == complete["run"]["facets"]["parent"]["run"]["runId"], parent
+        assert event["job"]["namespace"] == complete["job"]["namespace"]
+        assert event["job"]["facets"]["jobType"]["integration"] == "SPARK"
+        assert event["run"]["facets"]["processing_engine"]["name"] == "spark"
+        assert event["run"]["facets"]["processing_engine"]["version"].startswith("4."), event["run"]["facets"]
+        assert datasets(event, "inputs") == [landing] and datasets(event, "outputs") == tables
+    assert job_end["run"]["facets"]["millpond_batch"]["counts"] == batch["counts"]
+    assert job_start["eventTime"] <= job_end["eventTime"]
+
+
+def test_a_batch_on_the_local_engine_has_no_spark_job(settings: Settings, conf_dir: Path, lineage_on: Receiver,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """No Spark session, no Spark job: the task's events only."""
+    dag = get_dag(conf_dir, monkeypatch, "tables_lineage_local")
+    dr = dag.test(logical_date=T0 + STEP, run_conf={"demo": True})
+    assert str(dr.state) == "success"
+    events = lineage_on.task_events({"START", "COMPLETE"})
+    assert events["COMPLETE"]["run"]["facets"]["millpond_batch"]["engine"] == "local/in-process"
+    time.sleep(0.5)
+    assert not [e for e in lineage_on.events if e["job"]["name"].endswith(lineage.SPARK_JOB_SUFFIX)]
 
 
 def test_a_failing_batch_emits_fail(settings: Settings, conf_dir: Path, lineage_on: Receiver,

@@ -205,6 +205,7 @@ def summarize(result: Any) -> dict[str, Any]:
         "counts": dict(getattr(result, "counts", {}) or {}),
         "phases": {k: round(float(v), 3) for k, v in (getattr(result, "phases", {}) or {}).items()},
         "skipped": bool(getattr(result, "skipped", False)),
+        "engine": getattr(result, "engine", "") or "",
     }
 
 
@@ -366,20 +367,26 @@ def _batch(info: PipelineInfo, s: Settings, context: dict[str, Any], start: date
     # the deployment's engine, or one a backfill forced (``--engine``, in the run's conf); with spark, a Connect
     # client of the stack's warm Spark: no JVM in this process
     s, spark = choose(s, conf.get("engine"))
-    if spark is not None:  # OpenLineage (when on): this task's run as the parent of the Spark job's events
-        from millpond.orchestration.lineage import tag_spark
+    from millpond.orchestration import lineage
 
-        tag_spark(spark, context)
+    # OpenLineage (when on): this task's run as the parent of the Spark job's events
+    tagged, started = lineage.tag_spark(spark, context), datetime.now(UTC)
+    io = lineage.datasets(info, s) if tagged else {}
 
     # Great Expectations runs inside the batch, before its commits: a critical failure fails this task with
     # nothing committed. The lease's owner is this DAG run: a retry of it (a new process) takes the lease back
     # at once, while a killed attempt that still runs somewhere is fenced by the lease's token.
     owner = f"airflow/{info.dag_id}/{getattr(run, 'run_id', None) or _iso(end)}"
     # Its Data Docs pages are rendered after the commit, with the publish: rendering checks nothing.
-    result = run_batch(s, load_spec(s, name), end, watermark=watermark, spark=spark, owner=owner, validate=True,
-                       render_docs=False)
+    try:
+        result = run_batch(s, load_spec(s, name), end, watermark=watermark, spark=spark, owner=owner,
+                           validate=True, render_docs=False)
+    except Exception as exc:
+        lineage.emit_spark_job(tagged, io, started, error=exc, spark=spark)
+        raise
     summary = summarize(result)
     summary["quality"] = quality_summary(result.quality, s)
+    lineage.emit_spark_job(tagged, io, started, summary, spark=spark)
     counts = summary["counts"]
     progress = backfill_progress(conf, start, info.batch_interval)
     where = f"backfill batch {progress[0]}/{progress[1]}: " if progress else ""

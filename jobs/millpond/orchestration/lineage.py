@@ -15,7 +15,12 @@ task is a TaskFlow task whose operator (:class:`MicrobatchOperator`, made by :fu
 The provider adds the parent-run facet (the DAG run) and its own Airflow facets to every event. The batch's
 Spark session gets the provider's parent properties (``spark.openlineage.parentJobNamespace``,
 ``parentJobName``, ``parentRunId`` and the root ones) as session confs, so a Spark with the OpenLineage
-listener jar links its job's events to this task's run.
+listener jar links its job's events to this task's run. A batch the Spark engine ran also gets its own Spark
+job's START and COMPLETE (or FAIL) from this process (:func:`emit_spark_job`): the job
+``<task's job>.spark_batch``, integration SPARK, its parent this task's run and its root the DAG run, with the
+batch's datasets, the engine's strategy and Spark's version. The listener jar comes from Maven, which a
+deployment without it (this project's own stack) cannot load; its per-query events, where a cluster has it,
+come in addition under the same parent.
 
 Off unless configured: ``lineage.url`` (``MILLPOND_OPENLINEAGE_URL``) turns it on for the stack's Airflow
 (:func:`airflow_env`); a deployment may instead give the provider its own configuration
@@ -28,6 +33,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from datetime import UTC, datetime
 from typing import Any
 
 import yaml
@@ -110,6 +116,8 @@ def _facets():
         counts: dict[str, int] = attr.field(factory=dict)
         skipped: bool = False
         error: str | None = None
+        #: the engine and strategy that ran it (``spark/plan``, ``spark/one-task``, ``local/in-process``)
+        engine: str | None = None
 
         @staticmethod
         def _get_schema() -> str:
@@ -139,7 +147,7 @@ def run_facets(pipeline: str, summary: dict[str, Any] | None, error: BaseExcepti
     counts = {str(k): int(v) for k, v in (summary.get("counts") or {}).items() if isinstance(v, int | float)}
     batch = batch_facet(pipeline=pipeline, batch=summary.get("batch"), processingTime=summary.get("processing_time"),
                         watermark=summary.get("watermark"), counts=counts, skipped=bool(summary.get("skipped")),
-                        error=None if error is None else str(error)[:1000])
+                        error=None if error is None else str(error)[:1000], engine=summary.get("engine") or None)
     if error is not None and QUALITY_STOP in str(error):
         checks = quality_facet(validated=True, ok=False, summary=str(error)[:1000])
     elif error is not None or not quality.get("validated"):
@@ -226,3 +234,69 @@ def tag_spark(spark: Any, context: dict[str, Any]) -> dict[str, str]:
         except Exception as exc:  # noqa: BLE001 - a server that refuses a conf keeps its batch
             log.warning("Spark session refused %s (%s): set it on the server to link Spark's events", key, exc)
     return done
+
+
+# ------------------------------------------------------------------------------------------------
+# The Spark job's own events
+# ------------------------------------------------------------------------------------------------
+#: the batch's Spark job: the task's job name with this suffix
+SPARK_JOB_SUFFIX = ".spark_batch"
+
+
+def spark_job_events(confs: dict[str, str], io: dict[str, Any], started: datetime, ended: datetime,
+                     summary: dict[str, Any] | None = None, error: BaseException | None = None,
+                     spark_version: str = "") -> list:
+    """START and COMPLETE (FAIL with ``error``) of the batch's Spark job: its parent the task's run and its root
+    the DAG run, as ``confs`` (what :func:`tag_spark` set) name them; ``io``: :func:`datasets`."""
+    from airflow.providers.openlineage.utils.utils import _PRODUCER
+    from openlineage.client.event_v2 import InputDataset, Job, OutputDataset, Run, RunEvent, RunState
+    from openlineage.client.facet_v2 import error_message_run, job_type_job, parent_run, processing_engine_run
+    from openlineage.client.uuid import generate_new_uuid
+
+    namespace, parent_name = confs["spark.openlineage.parentJobNamespace"], confs["spark.openlineage.parentJobName"]
+    root = parent_run.Root(run=parent_run.RootRun(runId=confs["spark.openlineage.rootParentRunId"]),
+                           job=parent_run.RootJob(namespace=confs.get("spark.openlineage.rootParentJobNamespace",
+                                                                      namespace),
+                                                  name=confs["spark.openlineage.rootParentJobName"]))
+    parent = parent_run.ParentRunFacet(run=parent_run.Run(runId=confs["spark.openlineage.parentRunId"]),
+                                       job=parent_run.Job(namespace=namespace, name=parent_name), root=root)
+    job = Job(namespace=namespace, name=parent_name + SPARK_JOB_SUFFIX,
+              facets={"jobType": job_type_job.JobTypeJobFacet(processingType="BATCH", integration="SPARK",
+                                                              jobType="JOB")})
+    run_id = str(generate_new_uuid(started))
+    base = {"parent": parent,
+            "processing_engine": processing_engine_run.ProcessingEngineRunFacet(version=spark_version or "unknown",
+                                                                                name="spark")}
+    end = {"millpond_batch": run_facets(io["pipeline"], summary, error)["millpond_batch"]}
+    if error is not None:
+        end["errorMessage"] = error_message_run.ErrorMessageRunFacet(message=str(error)[:1000],
+                                                                    programmingLanguage="PYTHON")
+    inputs = [InputDataset(namespace=n, name=k) for n, k in io["inputs"]]
+    outputs = [OutputDataset(namespace=n, name=k) for n, k in io["outputs"]]
+    return [RunEvent(eventType=state, eventTime=when.isoformat(), job=job, inputs=inputs, outputs=outputs,
+                     run=Run(runId=run_id, facets=facets), producer=_PRODUCER)
+            for state, when, facets in ((RunState.START, started, base),
+                                        (RunState.FAIL if error is not None else RunState.COMPLETE, ended,
+                                         {**base, **end}))]
+
+
+def emit_spark_job(confs: dict[str, str], io: dict[str, Any], started: datetime,
+                   summary: dict[str, Any] | None = None, error: BaseException | None = None,
+                   spark: Any = None) -> int:
+    """Emit the batch's Spark job events through the provider's client (its transport, its redaction), when
+    lineage tagged the session (``confs``) and the batch ran on Spark (its summary's engine; a failed batch:
+    the session was there). How many went out; never fails the batch."""
+    if not confs or (error is None and not str((summary or {}).get("engine", "")).startswith("spark")):
+        return 0
+    try:
+        from airflow.providers.openlineage.plugins.listener import get_openlineage_listener
+
+        adapter = get_openlineage_listener().adapter
+        version = str(spark.version) if spark is not None else ""  # the server's Spark (a round trip)
+        events = spark_job_events(confs, io, started, datetime.now(UTC), summary, error, version)
+        for event in events:
+            adapter.emit(event)
+    except Exception as exc:  # noqa: BLE001 - lineage must never fail a batch
+        log.warning("the Spark job's OpenLineage events were not sent (%s)", exc)
+        return 0
+    return len(events)
