@@ -371,9 +371,14 @@ def test_the_shipped_stage_reads_the_same_upstream_batches_live_or_in_a_backfill
         run_batch(settings, up, to_datetime(end))
         run_batch(settings, stage(live), to_datetime(end))
     on_spark = settings.with_overrides(engine="spark")  # the shipped thresholds (the session's settings load them)
+    # the first batch under an `engine.local_below` above its upstream range's rows: in-process; the second
+    # under one just met (a row counts as a landing line's bytes): on Spark
+    below = {ends[0]: 10**12, ends[1]: 1}
     for end in ends:  # small batches: one task each; the last validated, as a DAG run is: the plan
-        result = run_batch(on_spark, stage(late), to_datetime(end), spark=spark, validate=end == ends[-1])
-        assert result.engine == ("spark/plan" if end == ends[-1] else "spark/one-task"), result.engine
+        chosen = on_spark.with_overrides(engine_local_below=below.get(end, on_spark.engine_local_below))
+        result = run_batch(chosen, stage(late), to_datetime(end), spark=spark, validate=end == ends[-1])
+        wanted = "local/in-process" if end == ends[0] else "spark/plan" if end == ends[-1] else "spark/one-task"
+        assert result.engine == wanted, (result.engine, wanted)
     assert result.quality is not None and result.quality.ok, result.quality.summary()
     timings = ("phases", "versions", "engine", "strategy")
     for table in ("panes", "current", "batches"):

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from millpond.errors import MillpondError, ObjectMissing
 from millpond.lake.snapshot_files import data_files
-from millpond.lake.table import _store
+from millpond.lake.table import log_store
 from millpond.lake.tables import Tables
 
 
@@ -81,7 +81,7 @@ def _commit_actions(tables: Tables, uri: str, version: int) -> list[dict[str, An
     settings = tables.settings
     key = f"{uri.split('/', 3)[3]}/_delta_log/{version:020d}.json"
     try:
-        body = _store(settings).get_bytes(settings.bucket_lake, key)
+        body = log_store(settings).get_bytes(settings.bucket_lake, key)
     except ObjectMissing as exc:
         raise MillpondError(f"{uri}: the log no longer holds commit {version} (beyond the table's retention)") from exc
     return [json.loads(line) for line in body.decode().splitlines() if line.strip()]

@@ -115,7 +115,7 @@ class Table:
         stop = None if upto is None else f"{prefix}{upto + 1:020d}"
         settings = self.tables.settings
         out = []
-        for o in _store(settings).list(settings.bucket_lake, prefix, start_after=start, stop_at=stop):
+        for o in log_store(settings).list(settings.bucket_lake, prefix, start_after=start, stop_at=stop):
             m = _LOG_ENTRY.fullmatch(o.key[len(prefix):])
             if m:
                 out.append((int(m.group(1)), "json" if m.group(2) == "json" else "checkpoint", o))
@@ -187,6 +187,6 @@ _LOG_ENTRY = re.compile(r"(\d{20})\.(json|checkpoint\.parquet|checkpoint\.\d+\.\
 
 
 @functools.lru_cache(maxsize=8)
-def _store(settings: Settings) -> ObjectStore:
+def log_store(settings: Settings) -> ObjectStore:
     """The object store the tables' logs are listed in (one client per deployment and process)."""
     return ObjectStore(settings)

@@ -61,29 +61,18 @@ def choose(settings: Settings, forced: str | None = None, *, hint: str = "") -> 
 
 
 def create_engine(job: BatchContext, work: BatchWork) -> Engine:
-    """The engine that runs ``work``: Spark when the batch's settings say spark and a session is at hand, for
-    pipelines the Spark engine runs, and for batches whose planned landing files hold at least
-    ``engine.local_below`` bytes (0: every batch; a stage's upstream pane rows count a landing line's bytes each);
-    else the local engine."""
+    """The engine that runs ``work``: Spark when the batch's settings say spark and a session is at hand (every
+    kind of pipeline runs there: windows and MillWheel computations, over landing files or, a stage, over its
+    upstreams' panes) and the batch's planned input holds at least ``engine.local_below`` bytes (0: every batch;
+    a stage's upstream pane rows count a landing line's bytes each); else the local engine."""
     from millpond.runtime.engines.local import LocalEngine
-    from millpond.runtime.engines.spark import SparkEngine
+    from millpond.runtime.engines.spark import LANDING_BYTES_PER_ROW, SparkEngine, input_rows
 
-    wanted = job.spark is not None and job.settings.engine == "spark" and on_spark(job)
-    if wanted and _input_bytes(job, work) >= job.settings.engine_local_below:
+    if job.spark is None or job.settings.engine != "spark":
+        return LocalEngine()
+    if job.settings.engine_local_below <= 0:
         return SparkEngine()
-    return LocalEngine()
-
-
-def _input_bytes(job: BatchContext, work: BatchWork) -> int:
-    """The batch's input in landing bytes: a stage's upstream pane rows in range count as a landing line each."""
-    if job.spec.upstream is None or job.settings.engine_local_below <= 0:
-        return work.planned_bytes
-    from millpond.runtime.engines.spark import LANDING_BYTES_PER_ROW, input_rows
-
-    return input_rows(job, work) * LANDING_BYTES_PER_ROW
-
-
-def on_spark(job: BatchContext) -> bool:
-    """Whether the Spark engine runs this pipeline's batches: windowed pipelines and MillWheel computations
-    (``spark_computation``), over landing files or (a stage) over their upstreams' panes (``spark_upstream``)."""
-    return job.kind in ("windows", "computation")
+    if job.spec.upstream is None:
+        return SparkEngine() if work.planned_bytes >= job.settings.engine_local_below else LocalEngine()
+    rows = input_rows(job, work)  # a stage: its upstream range's log entries, read once for both decisions
+    return SparkEngine(rows) if rows * LANDING_BYTES_PER_ROW >= job.settings.engine_local_below else LocalEngine()

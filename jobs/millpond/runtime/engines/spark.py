@@ -26,11 +26,11 @@ LANDING_BYTES_PER_ROW = 100
 PLAN, ONE_TASK = "plan", "one-task"
 
 
-def batch_rows(job: BatchContext, work: BatchWork) -> int:
-    """About how many rows the batch handles: its input (a landing batch's events, from its files' size; a stage's
-    upstream pane rows in range, from the Delta statistics of the files it reads) plus its stored windows."""
-    return input_rows(job, work) + spark_io.table_rows(job.tables, job.name, "windows",
-                                                       work.plan["versions"].get("windows"))
+def batch_rows(job: BatchContext, work: BatchWork, inputs: int | None = None) -> int:
+    """About how many rows the batch handles: its input (``inputs`` when known, else ``input_rows``) plus its
+    stored windows."""
+    return (input_rows(job, work) if inputs is None else inputs) + spark_io.table_rows(
+        job.tables, job.name, "windows", work.plan["versions"].get("windows"))
 
 
 def input_rows(job: BatchContext, work: BatchWork) -> int:
@@ -47,19 +47,23 @@ class SparkEngine(Engine):
 
     name = "spark"
 
+    def __init__(self, input_rows: int | None = None) -> None:
+        #: the batch's input rows when the factory already counted them (a stage's upstream range)
+        self.input_rows = input_rows
+
     def strategy(self, job: BatchContext, work: BatchWork, rows: int | None = None) -> str:
         """One task below ``engine.one_task_below`` rows (``rows``, else ``batch_rows``) when not validated
         (validation runs Great Expectations' Spark engine on the plan's DataFrames); else the plan. A MillWheel
         computation's batch is always a plan of its own (``spark_computation``)."""
         if job.kind == "computation":
             return PLAN
-        small = (batch_rows(job, work) if rows is None else rows) < job.settings.engine_one_task_below
+        small = (batch_rows(job, work, self.input_rows) if rows is None else rows) < job.settings.engine_one_task_below
         return ONE_TASK if small and not job.validate else PLAN
 
     def run(self, job: BatchContext, work: BatchWork, timer: PhaseTimer) -> Outputs:
         from millpond.runtime.engines import spark_batch, spark_task  # pyspark is imported by Spark batches only
 
-        rows = batch_rows(job, work)  # once: a stage's reads the log entries of its upstream range
+        rows = batch_rows(job, work, self.input_rows)  # once: a stage's reads its upstream range's log entries
         strategy = self.strategy(job, work, rows)
         timer.begin("ingest", files=len(work.plan["files"]), engine=f"{self.name}/{strategy}")
         if job.kind == "computation":

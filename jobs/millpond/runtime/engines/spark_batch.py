@@ -273,8 +273,7 @@ def validate_batch(job: BatchContext, clock: BatchClock, values, accepted, out, 
     raw = accepted.select("id", "key", "value", ts_column("event_time"))
     state = with_values(out.where("tbl = 'state' AND NOT deleted"), values).select(
         "key", ts_column("window_start"), ts_column("window_end"), "state", ts_column("event_timer"),
-        ts_column("ptime_timer"),
-        batch_column())
+        ts_column("ptime_timer"), batch_column())
     validate_spark(job, clock, raw, panes, state, lo)
 
 
@@ -313,8 +312,7 @@ def _rewrite_windows(job: BatchContext, txn: Txn, values, out, files: StateFiles
         "key", "window_start", "window_end", "state", "event_timer", "ptime_timer", "deleted")
     new = with_values(changes.where("NOT deleted"), values).select(
         "key", ts_column("window_start"), ts_column("window_end"), "state", ts_column("event_timer"),
-        ts_column("ptime_timer"),
-        batch_column(), F.lit(False).alias("deleted"))
+        ts_column("ptime_timer"), batch_column(), F.lit(False).alias("deleted"))
     removes: list[dict] = []
     if files is not None:
         removes = files.removes

@@ -398,12 +398,13 @@ def _write(job: BatchContext, work: BatchWork, clock: BatchClock, out, bad, acce
     steps: list[Step] = []
     if counts["quarantined"]:  # at most ``partitions`` files: ``bad`` has a partition per landing file
         rows = with_values(bad, values).select("source_file", "line", "raw", "reason", batch_column())
-        steps.append(("quarantine", *append_write(job, txn, "quarantine", rows.coalesce(partitions),
-        QUARANTINE_SCHEMA)))
+        quarantine = append_write(job, txn, "quarantine", rows.coalesce(partitions), QUARANTINE_SCHEMA)
+        steps.append(("quarantine", *quarantine))
     if counts["accepted"]:  # a batch that accepts nothing leaves seen_ids alone, as on the local engine
         own = with_values(accepted, values).select("id", ts_column("event_time"), batch_column())
-        steps.append(("seen_ids", *(append_write(job, txn, "seen_ids", own, SEEN_SCHEMA) if keep_from is None else
-                                    rewrite_seen(job, txn, seen, own, values, versions["seen_ids"], partitions))))
+        seen_write = (append_write(job, txn, "seen_ids", own, SEEN_SCHEMA) if keep_from is None
+                      else rewrite_seen(job, txn, seen, own, values, versions["seen_ids"], partitions))
+        steps.append(("seen_ids", *seen_write))
     if tally["state_changes"]:
         steps.append(_rewrite(job, txn, out, "comp_state", versions.get("comp_state")))
     if tally["timer_changes"]:
