@@ -1,8 +1,8 @@
 """Smoke test of the benchmark machinery (`make bench`) on a tiny workload, so it cannot rot.
 
 No Beam, Flink or Airflow here (their own costs dwarf the workload); the full run is ``millpond bench`` (see
-bench/README.md). The slow test runs the Spark engine's measures, its fair bare-Spark peer and Structured Streaming
-on the same Connect server, at 2k events.
+bench/README.md). The slow test runs the Spark engine's measures, its fair bare-Spark peers, Structured Streaming,
+the engines-agree and stage-scale measures on one Connect server, at toy sizes.
 """
 
 from __future__ import annotations
@@ -82,15 +82,22 @@ def test_readme_table_is_regenerated_in_place(tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_bench_spark_engine_smoke(settings, tmp_path) -> None:
-    """The Spark-engine measures on 2k events: a Connect server the bench starts and stops, batches and the
-    bare-Spark peer in Connect clients of their own (no classic session in this process's way)."""
+    """The Spark-engine measures at toy sizes, on one Connect server the bench starts and stops: the 2k-event
+    batch against the bare-Spark peers, the tiny batch, validation's share, state scale; 2k events as 2
+    micro-batches against Structured Streaming on the same server (availableNow per batch as its files land,
+    foreachBatch to Delta via delta-rs); the engines-agree and stage-scale measures. Batches and peers run in
+    Connect clients of their own (no classic session in this process's way)."""
     plan = replace(SMOKE, spark_engine_events=2_000, spark_engine_runs=1, spark_tiny_runs=2,
-                   spark_tiny_bare_runs=1, spark_validation_events=2_000, spark_validation_runs=1)
+                   spark_tiny_bare_runs=1, spark_validation_events=2_000, spark_validation_runs=1,
+                   spark_stream_events=2_000, spark_stream_batches=2, engines_agree_events=300,
+                   stage_scale_rows=2_000)
     doc = run_bench(settings, plan, None, tmp_path, log=lambda m: None,
                     steps=["measure_spark_engine_sessions", "measure_spark_engine_tiny",
-                           "measure_spark_engine_validation", "measure_state_scale"])
+                           "measure_spark_engine_validation", "measure_state_scale",
+                           "measure_spark_engine_structured_streaming", "measure_engines_agree",
+                           "measure_stage_scale"])
     records = {r["measure"]: r for r in doc["records"]}
     assert all(isinstance(r["met"], bool) and r["target"] and r["engine"].startswith("spark") for r in records.values())
     engine = records["sessions_1m_spark_engine_vs_bare_spark"]
@@ -111,23 +118,6 @@ def test_bench_spark_engine_smoke(settings, tmp_path) -> None:
     assert share["shares"] == [share["ours"]]  # one run in this plan: its share is the median
     state = records["state_scale_500_batch_5k_vs_1k_windows_hot"]  # a small batch against 1k and 5k stored windows
     assert state["ours"] > 0 and state["peer"] > 0 and [r["windows_after"] for r in state["runs"]] == [1_000, 5_000]
-    assert not [p for p in psutil.process_iter(["cmdline"])
-                if "SparkConnectServer" in " ".join(p.info["cmdline"] or []) and str(tmp_path) in
-                " ".join(p.info["cmdline"] or [])]  # the bench stopped its server
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_bench_spark_engine_vs_structured_streaming_smoke(settings, tmp_path) -> None:
-    """2k events as 2 micro-batches: ours as two DAG-task-like Connect clients, Structured Streaming on the same
-    server (availableNow per batch as its files land, foreachBatch to Delta via delta-rs); then the engines-agree
-    and stage-scale measures at toy sizes, on the same server."""
-    plan = replace(SMOKE, spark_stream_events=2_000, spark_stream_batches=2, engines_agree_events=300,
-                   stage_scale_rows=2_000)
-    doc = run_bench(settings, plan, None, tmp_path, log=lambda m: None,
-                    steps=["measure_spark_engine_structured_streaming", "measure_engines_agree",
-                           "measure_stage_scale"])
-    records = {r["measure"]: r for r in doc["records"]}
     stream = records["sessions_2k_2batches_spark_engine_vs_structured_streaming"]
     assert stream["ours"] > 0 and stream["peer"] > 0 and isinstance(stream["met"], bool)
     assert len(stream["ours_task_seconds"]) == 2 and stream["counts"]["input"] == 2_020
@@ -137,6 +127,9 @@ def test_bench_spark_engine_vs_structured_streaming_smoke(settings, tmp_path) ->
     assert agree["ours"] == 0 and agree["met"] and set(agree["scenarios"]) == {"fig14", "sessions_300"}, agree
     stage = records["stage_1m_rows_spark_engine_vs_bare_spark"]  # a stage batch over ~2k upstream pane rows
     assert stage["ours"] > 0 and stage["peer"] > 0 and stage["rows"] > 1_000 and stage["peer_rows"] > 1_000, stage
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if "SparkConnectServer" in " ".join(p.info["cmdline"] or []) and str(tmp_path) in
+                " ".join(p.info["cmdline"] or [])]  # the bench stopped its server
 
 
 def test_client_reports_its_own_peak_rss() -> None:

@@ -228,18 +228,16 @@ print(json.dumps({"session": type(spark).__module__, "batches": out}))
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_spark_connect_client_validates_like_local_batches(settings, tables, tmp_path) -> None:
+def test_spark_connect_client_validates_like_local_batches(settings, tables, spark_connect) -> None:
     """As an Airflow task does: a Spark Connect client (its own process, no JVM) runs the paper's Figure 14
     (sessions, early panes, retractions against earlier batches' panes) with validate=True against a Connect
-    server; GX validates the Connect DataFrames with the local engine's outcomes batch by batch, every result
-    stored. (The classic session's validation: ``test_a_critical_failure_stops_the_batch_before_any_commit``.)"""
+    server (the session's); GX validates the Connect DataFrames with the local engine's outcomes batch by batch,
+    every result stored. (The classic session's validation:
+    ``test_a_critical_failure_stops_the_batch_before_any_commit``.)"""
     import os
     import subprocess
     import sys
     from types import SimpleNamespace
-
-    from millpond.orchestration.processes import free_port
-    from millpond.orchestration.spark_server import SparkConnectServer
 
     events = read_events(SCENARIO)
     name = f"t_c{datetime.now(UTC):%H%M%S%f}"
@@ -247,17 +245,10 @@ def test_spark_connect_client_validates_like_local_batches(settings, tables, tmp
     spec = _spec(f"{name}_s")
     schedule = batch_schedule(spec, events, None, None)[:4]
     _land(settings, spec, events, schedule)
-    server_settings = settings.with_overrides(home=tmp_path, spark_connect_port=free_port(),
-                                              spark_ui_port=free_port(), spark_master="local[2]")
-    server = SparkConnectServer(server_settings)
-    server.start()
-    try:
-        doc = {"name": spec.name, "source": {"prefix": spec.source_prefix}, **DOC}
-        proc = subprocess.run([sys.executable, "-c", CONNECT_CLIENT, json.dumps(doc), server_settings.spark_connect_url,
-                               json.dumps([hi for _, hi in schedule])],
-                              capture_output=True, text=True, timeout=900, env=dict(os.environ))
-    finally:
-        server.stop()
+    doc = {"name": spec.name, "source": {"prefix": spec.source_prefix}, **DOC}
+    proc = subprocess.run([sys.executable, "-c", CONNECT_CLIENT, json.dumps(doc), spark_connect.url,
+                           json.dumps([hi for _, hi in schedule])],
+                          capture_output=True, text=True, timeout=900, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["session"].startswith("pyspark.sql.connect")
