@@ -274,3 +274,28 @@ def test_a_failing_batch_emits_fail(settings: Settings, conf_dir: Path, lineage_
     assert "failed critical data-quality checks" in batch["error"] and "batch" not in batch, batch
     assert quality["validated"] is True and quality["ok"] is False, quality
     assert "expect_column_values_to_not_be_null" in quality["summary"]
+
+
+def test_a_failed_spark_batch_is_a_fail_event_under_the_task() -> None:
+    """The Spark job's events for a batch that failed: START then FAIL with the error, under the task's run."""
+    from openlineage.client.serde import Serde
+
+    confs = {"spark.openlineage.parentJobNamespace": "ns", "spark.openlineage.parentJobName": JOB,
+             "spark.openlineage.parentRunId": "01890000-0000-7000-8000-000000000001",
+             "spark.openlineage.rootParentRunId": "01890000-0000-7000-8000-000000000002",
+             "spark.openlineage.rootParentJobName": f"millpond_{airflow_env.PIPELINE}",
+             "spark.openlineage.rootParentJobNamespace": "ns"}
+    io = {"inputs": [("s3://landing", "p")], "outputs": [("s3://lake", "t/p/panes")], "pipeline": "p"}
+    events = [Serde.to_dict(e) for e in lineage.spark_job_events(
+        confs, io, T0, T0 + STEP, None, RuntimeError("the store stopped answering"), "4.2.0")]
+    assert [e["eventType"] for e in events] == ["START", "FAIL"]
+    assert events[0]["run"]["runId"] == events[1]["run"]["runId"]
+    fail = events[1]
+    assert fail["job"] == {"namespace": "ns", "name": JOB + lineage.SPARK_JOB_SUFFIX,
+                           "facets": fail["job"]["facets"]} and fail["eventTime"].startswith("2026-01-05T12:05")
+    assert fail["run"]["facets"]["errorMessage"]["message"] == "the store stopped answering"
+    assert fail["run"]["facets"]["millpond_batch"]["error"] == "the store stopped answering"
+    assert fail["run"]["facets"]["parent"]["run"]["runId"] == confs["spark.openlineage.parentRunId"]
+    assert fail["run"]["facets"]["parent"]["root"]["run"]["runId"] == confs["spark.openlineage.rootParentRunId"]
+    assert datasets(fail, "inputs") == [("s3://landing", "p")] and datasets(fail, "outputs") == [("s3://lake",
+                                                                                                    "t/p/panes")]

@@ -292,7 +292,9 @@ def emit_spark_job(confs: dict[str, str], io: dict[str, Any], started: datetime,
         from airflow.providers.openlineage.plugins.listener import get_openlineage_listener
 
         adapter = get_openlineage_listener().adapter
-        version = str(spark.version) if spark is not None else ""  # the server's Spark (a round trip)
+        # the server's Spark (a round trip) after a batch that ran; after a failure (perhaps the server's) no call
+        # that could wait on it: the client library's version
+        version = str(spark.version) if spark is not None and error is None else _client_spark_version()
         events = spark_job_events(confs, io, started, datetime.now(UTC), summary, error, version)
         for event in events:
             adapter.emit(event)
@@ -300,3 +302,12 @@ def emit_spark_job(confs: dict[str, str], io: dict[str, Any], started: datetime,
         log.warning("the Spark job's OpenLineage events were not sent (%s)", exc)
         return 0
     return len(events)
+
+
+def _client_spark_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("pyspark")
+    except Exception:  # noqa: BLE001 - a facet's detail
+        return ""
