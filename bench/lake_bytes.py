@@ -21,12 +21,18 @@ from millpond.lake.objectstore import ObjectStore
 class LakeBytesMeasures:
     """Measure methods of ``bench.harness.Bench`` for the lake's size over many batches (mixed in)."""
 
-    def lake_usage(self, settings, pipeline: str) -> dict[str, int]:
-        """Objects and bytes of the pipeline's tables, and of their logs."""
-        found = list(ObjectStore(settings).list(settings.bucket_lake, f"{settings.table_root}/{pipeline}/"))
+    def lake_usage(self, settings, pipeline: str) -> dict[str, Any]:
+        """Objects and bytes of the pipeline's tables, and of their logs; per table, its data and log bytes (what
+        grows: an append-only table's rows, or what retention should have removed)."""
+        prefix = f"{settings.table_root}/{pipeline}/"
+        found = list(ObjectStore(settings).list(settings.bucket_lake, prefix))
         log = [o for o in found if "/_delta_log/" in o.key]
+        tables: dict[str, dict[str, int]] = {}
+        for o in found:
+            table = tables.setdefault(o.key[len(prefix):].split("/", 1)[0], {"data_bytes": 0, "log_bytes": 0})
+            table["log_bytes" if "/_delta_log/" in o.key else "data_bytes"] += o.size
         return {"objects": len(found), "bytes": sum(o.size for o in found),
-                "log_objects": len(log), "log_bytes": sum(o.size for o in log)}
+                "log_objects": len(log), "log_bytes": sum(o.size for o in log), "tables": tables}
 
     def measure_lake_bytes(self) -> None:
         nb = self.plan.lake_bytes_batches
@@ -52,6 +58,8 @@ class LakeBytesMeasures:
             self.settings = settings
         secs = [b["seconds"] for b in seq]
         before, last = statistics.median(secs[quarter - window:quarter]), statistics.median(secs[-window:])
+        for table in sorted(late["tables"]):
+            self.log(f"  {table}: {early['tables'].get(table)} -> {late['tables'][table]}")
         self.log(f"  after {quarter}: {early}; after {nb}: {late}; median batch {before:.3f}s (batches "
                  f"{quarter - window + 1}-{quarter}) and {last:.3f}s (batches {nb - window + 1}-{nb})")
         self.measures["lake_bytes"] = {"events": wl.input_events, "retention_s": retention, "after_quarter": early,
@@ -61,7 +69,7 @@ class LakeBytesMeasures:
                     f"lake bytes of the same pipeline after {quarter} batches", "bytes", True,
                     target=f"bytes after {nb:,} batches <= 1.5x the bytes after {quarter:,}", batches=nb,
                     retention_s=retention, objects=[early["objects"], late["objects"]],
-                    log_bytes=[early["log_bytes"], late["log_bytes"]],
+                    log_bytes=[early["log_bytes"], late["log_bytes"]], tables=[early["tables"], late["tables"]],
                     notes=f"one pipeline, {nb} batches of ~{self.plan.long_history_events} events, retention "
                           f"{retention:g}s (wall clock); the lake's objects under the pipeline's tables")
         self.record(f"batch_time_{nb}_vs_{quarter}_retained", round(last, 4), round(before, 4),

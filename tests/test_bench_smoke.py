@@ -27,7 +27,7 @@ SMOKE = Plan("smoke", session_sizes=(2_000,), fixed_sizes=(), spark_path_events=
              over_time_repeats=2, tiny_events=200, tiny_runs=2, validation_events=0,
              flink_events=0, long_history_batches=12, long_history_events=10, spark_engine_events=0,
              spark_tiny_runs=0, spark_validation_events=0, spark_over_time_repeats=0, spark_stream_events=0,
-             engines_agree_events=0, stage_scale_rows=0)
+             engines_agree_events=0, stage_scale_rows=0, lake_bytes_batches=16)
 
 
 def test_workload_lands_as_valid_jsonl() -> None:
@@ -62,6 +62,10 @@ def test_bench_smoke(settings, spark, tmp_path) -> None:
         assert rec["target"] and rec["target"] != "none set" and isinstance(rec["met"], bool), rec
         assert rec["engine"].startswith("local") and rec["path"], rec
     assert records["batch5_vs_batch5"]["met"] == (records["batch5_vs_batch5"]["ratio"] <= 1.2)
+    lake = records["lake_bytes_16_vs_4"]  # the lake counted after 4 and 16 batches, per table too
+    assert lake["ours"] > 0 and lake["peer"] > 0 and set(lake["tables"][1]) >= {"panes", "batches", "windows"}, lake
+    assert sum(t["data_bytes"] + t["log_bytes"] for t in lake["tables"][1].values()) == lake["ours"]
+    assert records["batch_time_16_vs_4_retained"]["ours"] > 0
 
 
 def test_readme_table_is_regenerated_in_place(tmp_path) -> None:
