@@ -371,7 +371,8 @@ def _batch(info: PipelineInfo, s: Settings, context: dict[str, Any], start: date
 
     # OpenLineage (when on): this task's run as the parent of the Spark job's events
     tagged, started = lineage.tag_spark(spark, context), datetime.now(UTC)
-    io = lineage.datasets(info, s) if tagged else {}
+    # the datasets the task's operator was given when the DAG was parsed (``lineage.datasets``), not read again
+    io = (getattr(context.get("task"), "lineage", None) or lineage.datasets(info, s)) if tagged else {}
 
     # Great Expectations runs inside the batch, before its commits: a critical failure fails this task with
     # nothing committed. The lease's owner is this DAG run: a retry of it (a new process) takes the lease back
