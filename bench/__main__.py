@@ -25,6 +25,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lake-bytes", type=int, metavar="BATCHES", dest="lake_bytes",
                    help="run lake_bytes_* over this many batches (the lake counted after a quarter and at the end; "
                         "--full: 2000; default: skipped)")
+    p.add_argument("--lake-bytes-expire", metavar="DURATION", dest="lake_bytes_expire",
+                   help="the lake_bytes pipeline's expire: (event time; default 1d; none: its output is kept for good)")
     p.add_argument("--only", action="append", metavar="MEASURE",
                    help="run only this measure method (e.g. measure_flink; repeatable)")
     p.add_argument("--out", help="results JSON (default bench/results.json; var/bench/results-quick.json for --quick)")
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, airflow=True)
     if args.lake_bytes is not None:
         plan = replace(plan, lake_bytes_batches=args.lake_bytes)
+    if args.lake_bytes_expire is not None:
+        plan = replace(plan, lake_bytes_expire=None if args.lake_bytes_expire == "none" else args.lake_bytes_expire)
     default_out = (PROJECT_ROOT / "var/bench/results-quick.json") if args.quick else (
         PROJECT_ROOT / "bench/results.json")
     out = Path(args.out) if args.out else default_out

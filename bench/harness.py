@@ -233,6 +233,14 @@ class Plan:
     #: long as the long-history sequence; `--full` runs it, `--lake-bytes N` sets it)
     lake_bytes_batches: int = 0
     lake_bytes_retention_s: float = 30.0
+    #: the pipeline's ``expire:`` (a time to live for its output rows, event time; None: kept for good). A day of
+    #: event time is 288 of the workload's 5-minute batches: both counts fall in the steady state
+    lake_bytes_expire: str | None = "1d"
+    #: each batch of that sequence starts this many seconds after the previous one started (a batch that takes
+    #: longer starts the next at once): the retention is wall-clock time, so at a steady pace it holds the same
+    #: number of batches' history throughout (unpaced, a batch took 1.07 s around batch 500 and 0.59 s at 2,000,
+    #: and the retention held twice the batches at the end)
+    lake_bytes_pace_s: float = 1.0
     #: `tables_identical_across_engines` (``bench.engines_agree``): the sessions workload's events (0 = skip)
     engines_agree_events: int = 100_000
     #: `stage_1m_rows_*` (``bench.stage_scale``): about this many upstream pane rows in the stage's batch (0 = skip)
@@ -409,11 +417,11 @@ class Bench(SparkEngineMeasures, SparkPeerMeasures, LakeBytesMeasures, EnginesAg
             _release_memory()  # the next memory window starts from this process's RSS
         return self._workloads[label]
 
-    def pipeline(self, kind: str, wl: Workload, accumulation: str | None = None) -> PipelineSpec:
+    def pipeline(self, kind: str, wl: Workload, accumulation: str | None = None, **changed: Any) -> PipelineSpec:
         doc = {**KINDS[kind], "name": f"bench_{kind}_{uuid.uuid4().hex[:8]}", "source": {"prefix": wl.prefix}}
         if accumulation:
             doc["accumulation"] = accumulation
-        return pipeline_from_dict(doc)
+        return pipeline_from_dict({**doc, **changed})
 
     def run_ours(self, spec: PipelineSpec, wl: Workload, path: str, flush: bool = False,
                  validate: bool = False) -> dict[str, Any]:

@@ -13,6 +13,7 @@ last 50 batches against that of the 50 before the quarter mark; target: unchange
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
 
 from millpond.lake.objectstore import ObjectStore
@@ -22,15 +23,18 @@ class LakeBytesMeasures:
     """Measure methods of ``bench.harness.Bench`` for the lake's size over many batches (mixed in)."""
 
     def lake_usage(self, settings, pipeline: str) -> dict[str, Any]:
-        """Objects and bytes of the pipeline's tables, and of their logs; per table, its data and log bytes (what
-        grows: an append-only table's rows, or what retention should have removed)."""
+        """Objects and bytes of the pipeline's tables, and of their logs; per table, its data, log and change-data
+        bytes and its data files (what grows: an append-only table's rows, or what retention should have removed)."""
         prefix = f"{settings.table_root}/{pipeline}/"
         found = list(ObjectStore(settings).list(settings.bucket_lake, prefix))
         log = [o for o in found if "/_delta_log/" in o.key]
         tables: dict[str, dict[str, int]] = {}
         for o in found:
-            table = tables.setdefault(o.key[len(prefix):].split("/", 1)[0], {"data_bytes": 0, "log_bytes": 0})
-            table["log_bytes" if "/_delta_log/" in o.key else "data_bytes"] += o.size
+            table = tables.setdefault(o.key[len(prefix):].split("/", 1)[0],
+                                      {"data_bytes": 0, "log_bytes": 0, "change_bytes": 0, "data_files": 0})
+            kind = "log" if "/_delta_log/" in o.key else "change" if "/_change_data/" in o.key else "data"
+            table[f"{kind}_bytes"] += o.size
+            table["data_files"] += kind == "data"
         return {"objects": len(found), "bytes": sum(o.size for o in found),
                 "log_objects": len(log), "log_bytes": sum(o.size for o in log), "tables": tables}
 
@@ -41,18 +45,22 @@ class LakeBytesMeasures:
         quarter, window = nb // 4, max(2, min(50, nb // 8))
         retention = self.plan.lake_bytes_retention_s
         wl = self.workload(self.plan.long_history_events * nb, 200, batches=nb, seed=23)
+        expire, pace = self.plan.lake_bytes_expire, self.plan.lake_bytes_pace_s
         self.log(f"lake bytes: {nb} consecutive batches of ~{self.plan.long_history_events} events, retention "
-                 f"{retention:g}s, the lake counted after {quarter} and after {nb}")
+                 f"{retention:g}s, expire {expire or 'none'}, one batch every {pace:g}s, the lake counted after "
+                 f"{quarter} and after {nb}")
         settings = self.settings
         self.settings = settings.with_overrides(retention_s=retention)
         try:
-            spec = self.pipeline("sessions", wl)
+            spec = self.pipeline("sessions", wl, **({"expire": expire} if expire else {}))
             steps = self.batch_steps(spec, wl)
             seq: list[dict[str, Any]] = []
+            started = time.monotonic()
             for b in steps:
                 seq.append(b)
                 if len(seq) == quarter:
                     early = self.lake_usage(self.settings, spec.name)
+                time.sleep(max(0.0, started + len(seq) * pace - time.monotonic()))
             late = self.lake_usage(self.settings, spec.name)
         finally:
             self.settings = settings
@@ -62,18 +70,24 @@ class LakeBytesMeasures:
             self.log(f"  {table}: {early['tables'].get(table)} -> {late['tables'][table]}")
         self.log(f"  after {quarter}: {early}; after {nb}: {late}; median batch {before:.3f}s (batches "
                  f"{quarter - window + 1}-{quarter}) and {last:.3f}s (batches {nb - window + 1}-{nb})")
-        self.measures["lake_bytes"] = {"events": wl.input_events, "retention_s": retention, "after_quarter": early,
+        self.measures["lake_bytes"] = {"events": wl.input_events, "retention_s": retention, "expire": expire,
+                                       "pace_s": pace,
+                                       "after_quarter": early,
                                        "after_all": late, "batch_seconds": secs,
                                        "maintain_seconds": [b["phases"].get("maintain") for b in seq]}
         self.record(f"lake_bytes_{nb}_vs_{quarter}", late["bytes"], early["bytes"],
                     f"lake bytes of the same pipeline after {quarter} batches", "bytes", True,
                     target=f"bytes after {nb:,} batches <= 1.5x the bytes after {quarter:,}", batches=nb,
-                    retention_s=retention, objects=[early["objects"], late["objects"]],
+                    retention_s=retention, expire=expire, pace_s=pace, objects=[early["objects"], late["objects"]],
                     log_bytes=[early["log_bytes"], late["log_bytes"]], tables=[early["tables"], late["tables"]],
                     notes=f"one pipeline, {nb} batches of ~{self.plan.long_history_events} events, retention "
-                          f"{retention:g}s (wall clock); the lake's objects under the pipeline's tables")
+                          f"{retention:g}s (wall clock), one batch every {pace:g}s, expire {expire or 'none'} (event "
+                          "time: output rows of "
+                          "windows that ended that long before the watermark are deleted); the lake's objects under "
+                          "the pipeline's tables")
         self.record(f"batch_time_{nb}_vs_{quarter}_retained", round(last, 4), round(before, 4),
                     f"median of batches {quarter - window + 1}-{quarter} of the same sequence", "s", True,
+                    expire=expire,
                     target=f"per-batch time unchanged: the last {window} batches <= 1.2x batches "
                            f"{quarter - window + 1}-{quarter}", batches=nb, retention_s=retention,
                     notes=f"median of the last {window} batches of the lake_bytes sequence vs the {window} before the "

@@ -27,7 +27,7 @@ SMOKE = Plan("smoke", session_sizes=(2_000,), fixed_sizes=(), spark_path_events=
              over_time_repeats=2, tiny_events=200, tiny_runs=2, validation_events=0,
              flink_events=0, long_history_batches=12, long_history_events=10, spark_engine_events=0,
              spark_tiny_runs=0, spark_validation_events=0, spark_over_time_repeats=0, spark_stream_events=0,
-             engines_agree_events=0, stage_scale_rows=0, lake_bytes_batches=16)
+             engines_agree_events=0, stage_scale_rows=0, lake_bytes_batches=16, lake_bytes_pace_s=0.0)
 
 
 def test_workload_lands_as_valid_jsonl() -> None:

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from millpond.errors import MillpondError, ObjectMissing
 from millpond.lake.snapshot_files import data_files
-from millpond.lake.table import log_store
+from millpond.lake.table import EXPIRY_KEY, log_store
 from millpond.lake.tables import Tables
 
 
@@ -57,8 +57,8 @@ def snapshot_files(tables: Tables, pipeline: str, name: str, version: int | None
 
 def added_files(tables: Tables, pipeline: str, name: str, after: int, upto: int) -> list[DataFile]:
     """The data files that the data-changing commits after version ``after`` up to and including ``upto`` added,
-    oldest commit first. Needs the commits' log entries, kept for the pipeline's retention (a stage's plan checks
-    that first, ``steps.upstream.check_history``)."""
+    oldest commit first (an expiry, ``Table.expire``, adds none: it only removes files). Needs the commits' log entries,
+    kept for the pipeline's retention (a stage's plan checks that first, ``steps.upstream.check_history``)."""
     if upto <= after:
         return []
     uri = tables.uri(pipeline, name).rstrip("/")
@@ -66,6 +66,8 @@ def added_files(tables: Tables, pipeline: str, name: str, after: int, upto: int)
         entries = list(pool.map(lambda v: _commit_actions(tables, uri, v), range(after + 1, upto + 1)))
     out = []
     for version, actions in zip(range(after + 1, upto + 1), entries, strict=True):
+        if any(EXPIRY_KEY in (a.get("commitInfo") or {}) for a in actions):
+            continue  # an expiry (``expire:``) only removes files whose rows were added before
         if any("cdc" in a for a in actions):  # an update or a merge: its inserts are in change files
             raise MillpondError(f"{pipeline}.{name}: commit {version} rewrote rows (it has change-data files); "
                                 "only appends, compactions and rewinds are read file by file")

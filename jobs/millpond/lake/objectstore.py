@@ -155,9 +155,12 @@ class ObjectStore:
 
     def delete_prefix(self, bucket: str, prefix: str) -> int:
         """Delete every object under ``prefix``; return how many were deleted."""
+        return self.delete_keys(bucket, [o.key for o in self.list(bucket, prefix)])
+
+    def delete_keys(self, bucket: str, keys: list[str]) -> int:
+        """Delete the objects ``keys`` (a thousand a request); return how many were asked for."""
         from minio.deleteobjects import DeleteObject
 
-        keys = [o.key for o in self.list(bucket, prefix)]
         for lo in range(0, len(keys), 1000):
             errors = self._call(lambda lo=lo: list(self.mc.remove_objects(
                 bucket, [DeleteObject(k) for k in keys[lo:lo + 1000]])), bucket=bucket)

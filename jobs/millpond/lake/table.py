@@ -7,18 +7,25 @@ works on a table says ``table.append(rows, txn=txn)`` rather than passing (pipel
 from __future__ import annotations
 
 import functools
+import json
 import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pyarrow as pa
-from deltalake import DeltaTable
+from deltalake import CommitProperties, DeltaTable
+from deltalake.transaction import RemoveAction
 
 from millpond.config import Settings
 from millpond.lake.delta_options import Txn, _commit, _wrap, retention_config, retention_seconds
 from millpond.lake.objectstore import ObjectStore
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+#: the commit info key of a time to live's deletion (``Table.expire``)
+EXPIRY_KEY = "millpond_expire"
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,51 @@ class Table:
             raise _wrap(exc, self.uri, self.tables.settings) from exc
         return self.version()
 
+    def expire(self, column: str, before_us: int, note: dict[str, Any],
+               batch_below: int | None = None) -> dict[str, int]:
+        """Remove the data files all of whose rows have ``column`` (a timestamp) before ``before_us`` (and, with
+        ``batch_below``, ``batch`` below it): a time to live's expiry (``expire:``). By the files' statistics
+        alone, so nothing is read or rewritten (no copy for the retention to keep, no change-data file), and a
+        file goes once its last row has expired. One commit of removes, whose info carries ``note`` with the
+        horizon and the last batch removed under EXPIRY_KEY, so that a reader of the table's changes tells it from
+        a rewind (``expiries``). Returns the files and rows removed and that last batch (0: none)."""
+        dt = self.tables.open(self.pipeline, self.name)
+        if dt is None:
+            return {"files": 0, "rows": 0, "last_batch": 0}
+        # statistics keep timestamps to the millisecond, rounded down: a file whose maximum is in H's millisecond
+        # may hold a row at or after H, so it waits
+        files = [a for a in pa.table(dt.get_add_actions(flatten=True)).to_pylist()
+                 if _ts_us(a.get(f"max.{column}")) is not None and _ts_us(a[f"max.{column}"]) + 1000 <= before_us
+                 and (batch_below is None or (a.get("max.batch") is not None and a["max.batch"] < batch_below))]
+        out = {"files": len(files), "rows": sum(a.get("num_records") or 0 for a in files),
+               "last_batch": max((a.get("max.batch") or 0 for a in files), default=0)}
+        if not files:
+            return out
+        now = int(time.time() * 1000)
+        gone = [RemoveAction(a["path"], True, now, a["size_bytes"],
+                             {k[len("partition."):]: None if v is None else str(v)
+                              for k, v in a.items() if k.startswith("partition.")}) for a in files]
+        info = {**note, "horizon": before_us, "last_batch": out["last_batch"]}
+        try:
+            dt.create_write_transaction(gone, "append", dt.schema(), dt.metadata().partition_columns or None,
+                                        commit_properties=CommitProperties(
+                                            custom_metadata={EXPIRY_KEY: json.dumps(info, sort_keys=True)}))
+        except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
+            raise _wrap(exc, self.uri, self.tables.settings) from exc
+        self.tables.open(self.pipeline, self.name)  # this process's snapshot moves forward
+        return out
+
+    def expiries(self, after: int | None, upto: int | None) -> list[dict[str, Any]]:
+        """The notes of the expiry commits after version ``after`` up to ``upto`` (with their ``version``), oldest
+        first."""
+        if upto is None or (after is not None and upto <= after):
+            return []
+        start = -1 if after is None else after
+        found = [{**json.loads(h[EXPIRY_KEY]), "version": h["version"]}
+                 for h in self.history((self.version() or upto) - start + 1)
+                 if start < h.get("version", -1) <= upto and EXPIRY_KEY in h]
+        return sorted(found, key=lambda e: e["version"])
+
     # -- retention: what of the table's history is kept (``runtime.upkeep`` keeps it) ------------------------
     def commit_times(self, after: int | None = None, upto: int | None = None) -> dict[int, float]:
         """{version: when it was committed} (epoch seconds: its log entry's time in the store, to the second)
@@ -158,7 +210,20 @@ class Table:
                                 full=retention_s >= 3600, post_commithook_properties=hooks)
         except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
             raise _wrap(exc, self.uri, self.tables.settings) from exc
+        if dt.metadata().configuration.get("delta.enableChangeDataFeed") == "true":
+            return len(deleted) + self._vacuum_change_data(retention_s)
         return len(deleted)
+
+    def _vacuum_change_data(self, retention_s: float) -> int:
+        """Delete the change-data files (``_change_data/``: a DELETE's on a table with the change feed, e.g. a
+        rewind's) written longer than ``retention_s`` ago, which delta-rs's vacuum leaves: only a read of the
+        change feed over the commit that wrote one needs it, and such a read reaches back a retention at most."""
+        settings = self.tables.settings
+        store = log_store(settings)
+        cutoff = time.time() - retention_s - 1
+        old = [o.key for o in store.list(settings.bucket_lake, self.uri.split("/", 3)[3] + "/_change_data/")
+               if o.last_modified < cutoff]
+        return store.delete_keys(settings.bucket_lake, old) if old else 0
 
     def expire_log(self, retention_s: float, now: float | None = None) -> int:
         """Delete the log entries no version within ``retention_s`` needs: those before the last checkpoint at
@@ -184,6 +249,13 @@ class Table:
 
 #: an entry of a table's log: a commit (``00000000000000000012.json``) or a checkpoint (``...12.checkpoint.parquet``)
 _LOG_ENTRY = re.compile(r"(\d{20})\.(json|checkpoint\.parquet|checkpoint\.\d+\.\d+\.parquet)")
+
+
+def _ts_us(value: Any) -> int | None:
+    """A statistic's timestamp (datetime, or None) in microseconds since the epoch."""
+    if value is None:
+        return None
+    return (value - _EPOCH) // timedelta(microseconds=1)
 
 
 @functools.lru_cache(maxsize=8)

@@ -34,7 +34,7 @@ from millpond.lake.delta_options import (
     storage_options,
 )
 from millpond.lake.sql import plain_strings, sql_in, sql_str, sql_ts
-from millpond.lake.table import Table
+from millpond.lake.table import EXPIRY_KEY, Table
 
 __all__ = ["TABLE_CONFIG", "Table", "Tables", "Txn", "plain_strings", "sql_in", "sql_str", "sql_ts", "storage_options"]
 
@@ -272,12 +272,14 @@ class Tables:
     def rewinds(self, pipeline: str, name: str, after: int | None, upto: int | None) -> list[int]:
         """The commits after ``after`` (None: from the table's start) up to ``upto`` that took rows away (a
         reprocess's RESTORE, or the DELETE that empties a table rewound to before its first batch), oldest
-        first: a reader of the rows that commits added cannot follow those."""
+        first: a reader of the rows that commits added cannot follow those. An expiry (``expire:``,
+        ``Table.expire``) is not one: it removes files of rows every reader has added already."""
         if upto is None or (after is not None and upto <= after):
             return []
         start = -1 if after is None else after
         found = [h["version"] for h in self.history(pipeline, name, (self.version(pipeline, name) or upto) - start + 1)
-                 if start < h.get("version", -1) <= upto and h.get("operation") in ("RESTORE", "DELETE")]
+                 if start < h.get("version", -1) <= upto and h.get("operation") in ("RESTORE", "DELETE")
+                 and EXPIRY_KEY not in h]
         return sorted(found)
 
     def _change_feed(self, pipeline: str, name: str, start: int, upto: int, schema: pa.Schema) -> pa.Table:

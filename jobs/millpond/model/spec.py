@@ -69,6 +69,12 @@ class PipelineSpec:
         the deployment's ``retention`` setting applies when it is longer, or when the file says nothing."""
         return parse_retention(self.raw.get("retention"))
 
+    @property
+    def expire(self) -> int | None:
+        """How long the output rows of a window are kept once it has ended (``expire: 90d``, event time against
+        the watermark), in microseconds; None: kept for good."""
+        return parse_expire(self.raw.get("expire"))
+
 
 #: the keys a pipeline file may hold, and the keys of its blocks that are not interpreted elsewhere
 PIPELINE_KEYS = ("name", "description", "source", "value_type", "window", "trigger", "accumulation", "aggregation",
@@ -82,6 +88,8 @@ WATERMARK_KEYS = {"processing_time": ("lag",), "bounded_out_of_orderness": ("bou
                   "percentile": ("percentile", "fallback_lag"), "explicit": ("values",), "perfect": ()}
 #: ``retention``: a pipeline that needs a longer history than the deployment's (time travel, reprocess, stages)
 PIPELINE_KEYS += ("retention",)
+#: ``expire``: a time to live for the output rows of windows that ended long ago (``runtime.upkeep.expire_rows``)
+PIPELINE_KEYS += ("expire",)
 
 
 def _unknown(where: str, key: str, known: tuple[str, ...]) -> ValueError:
@@ -197,6 +205,35 @@ def parse_retention(value: Any) -> int | None:
     return us
 
 
+def parse_expire(value: Any) -> int | None:
+    """``expire: 90d`` as positive microseconds (None: not given)."""
+    if value is None:
+        return None
+    try:
+        us = None if isinstance(value, bool) else parse_duration(value)
+    except (ValueError, TypeError):
+        us = None
+    if us is None or us <= 0:
+        raise ValueError(f"expire: expected a duration longer than zero such as 90d, got {value!r}")
+    return us
+
+
+def check_expire(doc: dict[str, Any], window: dict[str, Any], allowed_lateness: int) -> None:
+    """``expire`` removes the rows of windows that ended that long before the watermark: only windows that close
+    have such rows, and only once no late pane can reach them any more."""
+    us = parse_expire(doc.get("expire"))
+    if us is None:
+        return
+    if doc.get("computation") is not None:
+        raise ValueError("expire: a computation pipeline has no windows whose rows could expire: remove expire")
+    if isinstance(window_fn(window), GlobalWindows):
+        raise ValueError("expire: the global window never ends, so none of its rows would ever expire: remove "
+                         "expire, or use windows that close")
+    if us <= allowed_lateness:
+        raise ValueError(f"expire {_duration_text(us)} must be longer than allowed_lateness "
+                         f"{_duration_text(allowed_lateness)}: a late pane could land on a window whose rows expired")
+
+
 def pipeline_from_dict(doc: dict[str, Any]) -> PipelineSpec:
     """Validate a config mapping: every mistake is reported by name, before anything runs."""
     check_keys(doc)
@@ -242,4 +279,5 @@ def pipeline_from_dict(doc: dict[str, Any]) -> PipelineSpec:
     check_dedup_horizon(doc, spec.window, spec.allowed_lateness)
     parse_freshness(doc.get("freshness"), spec.batch_interval)
     parse_retention(doc.get("retention"))
+    check_expire(doc, spec.window, spec.allowed_lateness)
     return spec

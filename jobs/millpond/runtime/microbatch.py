@@ -36,6 +36,7 @@ from millpond.runtime.engines import create_engine
 from millpond.runtime.engines.base import BatchWork, Outputs
 from millpond.runtime.failure import batch_failed
 from millpond.runtime.steps import commit, compute, plan, validate, versions
+from millpond.runtime.upkeep import expire_rows, expiry_horizon
 
 
 def committed_versions(tables: Tables, pipeline: str) -> dict[str, int]:
@@ -203,6 +204,12 @@ class MicroBatch:
         commit.commit_marker(self, txn, out.clock, out.max_event_time,
                              {**counts, "engine": out.engine, "strategy": out.strategy}, t, probed)
         t.lap("commit", input=counts.get("input"), panes=counts.get("panes"))
+        horizon = expiry_horizon(self.spec.expire, out.clock.watermark) if self.spec.expire else None
+        if horizon is not None and horizon > expiry_horizon(self.spec.expire, out.clock.input_watermark):
+            # after the marker: no commit of the batch is under way (a MERGE of ``current`` beside a deletion from
+            # it would conflict), and a kill here loses nothing: the next expiry removes below a later horizon
+            expired = expire_rows(self.tables, self.name, self.batch, horizon)
+            t.lap("maintain", expired=sum(expired.values()) or None)
 
     def process(self, batch: int, txn: Txn, clock: BatchClock, accepted: pa.Table, plan: dict[str, Any],
                 t: PhaseTimer) -> dict[str, int]:

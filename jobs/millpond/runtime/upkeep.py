@@ -82,6 +82,47 @@ def maintain(tables: Tables, pipeline: str, batch: int, turn: tuple[str, str], f
         logger.warning("%s: table upkeep skipped in batch %d: %s", pipeline, batch, exc)
 
 
+# -- expire: a time to live for output rows ---------------------------------------------------------------
+#: the output tables ``expire:`` deletes rows of, by the column that says when a row's window ended (a late
+#: record's: its event time, since its window had closed)
+EXPIRING = {"panes": "window_end", "current": "window_end", "late": "event_time"}
+
+
+#: an expiry runs when its horizon passes a multiple of this share of ``expire``, so a pipeline holds at most
+#: ``expire`` and one such share of windows, and an expiry's rewrite of the files it cuts (and the copies of them
+#: the retention keeps) comes that rarely: every 11 days under ``expire: 90d``
+EXPIRE_STEPS = 8
+
+
+def expiry_horizon(expire_us: int, watermark_us: int) -> int:
+    """Where an expiry at ``watermark_us`` deletes below: the watermark less ``expire``, down to a multiple of
+    its step (the same horizon however the batches fall)."""
+    step = max(1, expire_us // EXPIRE_STEPS)
+    return (watermark_us - expire_us) // step * step
+
+
+def expire_rows(tables: Tables, pipeline: str, batch: int, horizon: int) -> dict[str, int]:
+    """Remove the output tables' files whose rows all belong to windows that ended before ``horizon``
+    (``expiry_horizon``; ``expire:``; ``Table.expire``: by file statistics, nothing rewritten, so a file goes
+    with its last row): run after a batch's marker, when no commit of the pipeline is under way, once the horizon
+    passed a step. A window ends ``allowed_lateness`` before it closes and ``expire`` is longer, so no pane can
+    reach an expired window. ``panes`` keeps the files holding rows of ``batch`` (its last), so a stage's
+    comparison of two versions across a reprocess still finds the batches they share; each commit notes the last
+    batch it removed rows of, which such a stage checks (``steps.upstream.check_expired``). Returns the rows
+    removed per table; best-effort: what a failed or killed expiry leaves, the next one removes."""
+    deleted: dict[str, int] = {}
+    for table, column in EXPIRING.items():
+        try:
+            done = tables.table(pipeline, table).expire(column, horizon, {"batch": batch},
+                                                        batch_below=batch if table == "panes" else None)
+        except MillpondError as exc:
+            logger.warning("%s: expiring %s's rows skipped in batch %d: %s", pipeline, table, batch, exc)
+            continue
+        if done["rows"]:
+            deleted[table] = done["rows"]
+    return deleted
+
+
 # -- retention -------------------------------------------------------------------------------------
 #: how a refusal names the setting
 RETENTION_SETTING = ("`retention` in conf/millpond.yaml (MILLPOND_RETENTION), or the pipeline file's own "

@@ -133,6 +133,36 @@ def check_history(job: BatchContext, name: str, before: int | None, upto: int | 
                 f"{job.name}: this batch reads upstream {name}'s panes from version {before} to {upto}, but {why}: "
                 f"reset {job.name} (`millpond reset {job.name}`) and run it from a processing time within that "
                 f"retention (its first batch reads {name}'s panes whole); nothing was written")
+    check_expired(job, name, before, upto)
+
+
+def check_expired(job: BatchContext, name: str, before: int | None, upto: int | None) -> None:
+    """A stage whose range spans an upstream rewind compares two versions' contents (``changed_panes``); if the
+    upstream's ``expire:`` deleted, in between, panes of batches the stage had not taken yet, the later content
+    lacks them, and reading on would lose them without a word: refused before the plan is written. (Without a
+    rewind the stage reads the rows the range's commits added, expired since or not: their files are kept for
+    the retention, which ``check_history`` checks.)"""
+    if before is None or upto is None or before == upto:
+        return
+    lo, hi = sorted((before, upto))
+    rewinds = job.tables.rewinds(name, "panes", lo, hi)
+    expiries = job.tables.table(name, "panes").expiries(lo, hi) if rewinds else []
+    if not expiries:
+        return
+    shared = shared_batch(job, name, before, upto, rewinds)
+    lost = [e for e in expiries if e["last_batch"] > shared]
+    if lost:
+        raise MillpondError(
+            f"{job.name}: upstream {name} expired panes of its batch {lost[0]['last_batch']} (panes version "
+            f"{lost[0]['version']}, `expire:` in {name}'s pipeline file) across a reprocess of {name}, after "
+            f"batch {shared}, the last this pipeline's range shares: lengthen {name}'s expire, or reset {job.name} "
+            f"(`millpond reset {job.name}`) and backfill it; nothing was written")
+
+
+def shared_batch(job: BatchContext, name: str, before: int | None, upto: int | None, rewinds: list[int]) -> int:
+    """The last upstream batch that the contents of ``before``, ``upto`` and the rewinds between all hold."""
+    return min([_last_batch(job, name, before), _last_batch(job, name, upto)]
+               + [_last_batch(job, name, v) for v in rewinds])
 
 
 def input_watermark(plan: dict[str, Any]) -> int:
@@ -176,8 +206,7 @@ def changed_panes(job: BatchContext, name: str, before: int | None, upto: int | 
     rewinds = job.tables.rewinds(name, "panes", lo, hi)  # one history read for the check and the comparison
     if upto is not None and upto > before and not rewinds:
         return empty, job.tables.read_added(name, "panes", before, upto, schema)
-    shared = min([_last_batch(job, name, before), _last_batch(job, name, upto)]
-                 + [_last_batch(job, name, v) for v in rewinds])
+    shared = shared_batch(job, name, before, upto, rewinds)
     old, new = (_panes_after(job, name, v, shared, schema) for v in (before, upto))
     old_ids, new_ids = _row_ids(old), _row_ids(new)
     return old.filter(pc.invert(pc.is_in(old_ids, value_set=new_ids))), new.filter(
