@@ -194,19 +194,15 @@ def parse_freshness(block: dict[str, Any] | None, batch_interval: int | None = N
 
 def parse_retention(value: Any) -> int | None:
     """``retention: 30d`` as positive microseconds (None: not given)."""
-    if value is None:
-        return None
-    try:
-        us = None if isinstance(value, bool) else parse_duration(value)
-    except (ValueError, TypeError):
-        us = None
-    if us is None or us <= 0:
-        raise ValueError(f"retention: expected a duration longer than zero such as 30d, got {value!r}")
-    return us
+    return _positive_duration("retention", value, "30d")
 
 
 def parse_expire(value: Any) -> int | None:
     """``expire: 90d`` as positive microseconds (None: not given)."""
+    return _positive_duration("expire", value, "90d")
+
+
+def _positive_duration(key: str, value: Any, example: str) -> int | None:
     if value is None:
         return None
     try:
@@ -214,7 +210,7 @@ def parse_expire(value: Any) -> int | None:
     except (ValueError, TypeError):
         us = None
     if us is None or us <= 0:
-        raise ValueError(f"expire: expected a duration longer than zero such as 90d, got {value!r}")
+        raise ValueError(f"{key}: expected a duration longer than zero such as {example}, got {value!r}")
     return us
 
 
