@@ -175,3 +175,33 @@ def test_stages_over_an_expiring_upstream_read_what_they_would_without_it(settin
         run_batch(settings, across, at(M + 1))
     assert "\n" not in str(exc.value)
     assert tables.version(across.name, "batches") == before
+
+
+def test_compaction_leaves_an_expiring_pipelines_panes_to_expire(settings, tables, pipeline_name,
+                                                                 monkeypatch) -> None:
+    """Compaction packs a batch's small panes files, and a second tier packs those up to COMPACT_TARGET_BYTES, each
+    time with the newest panes: a second-tier file of a pipeline whose ``expire`` holds less than that would never
+    expire (measured: the bench's panes grew 4.7x from batch 500 to 2,000 under ``expire: 1d``). An expiring
+    pipeline's panes compact in the first tier only, whose files seal small. Here the tiers are shrunk to this
+    stream's size (the first packs nothing, the second would pack everything) and every batch's upkeep turn is a
+    compaction of panes: most panes below the last horizon are gone, against a twin that keeps everything."""
+    from millpond.runtime import upkeep
+    from millpond.runtime.steps import plan
+
+    monkeypatch.setattr(upkeep, "COMPACT_SMALL_BYTES", 256)
+    monkeypatch.setattr(upkeep, "COMPACT_TARGET_BYTES", 1 << 20)
+    monkeypatch.setattr(upkeep, "COMPACT_OVER_FILES", 3)
+    monkeypatch.setattr(plan, "upkeep_turns", lambda *_: [("compact", "panes")])
+    keep, expiring = f"{pipeline_name}_keep", f"{pipeline_name}_ttl"
+    land(settings, f"{pipeline_name}/", range(M + 1), seed=5)
+    specs = [pipeline_from_dict(doc(keep, source={"prefix": f"{pipeline_name}/"})),
+             pipeline_from_dict(doc(expiring, source={"prefix": f"{pipeline_name}/"}, expire="4m"))]
+    for minute in range(1, M + 1):
+        for spec in specs:
+            run_batch(settings, spec, to_datetime(T0 + minute * MINUTE + 55 * US))
+    notes = tables.table(expiring, "panes").expiries(None, tables.version(expiring, "panes"))
+    assert notes
+    below = {name: [r for r in rows(tables, name, "panes") if to_us(r["window_end"]) < notes[-1]["horizon"]
+                    and r["batch"] < notes[-1]["batch"]] for name in (keep, expiring)}
+    assert len(tables.open(keep, "panes").get_add_actions(flatten=True)) < M  # the twin's panes were packed
+    assert 3 * len(below[expiring]) <= len(below[keep]), below[expiring]
