@@ -186,6 +186,33 @@ def test_store_down_gives_clear_error_and_restart_keeps_data(tmp_path, tables: T
         store.stop()
 
 
+def test_a_generic_s3_error_while_the_store_stops_is_called_unreachable(settings) -> None:
+    """Commits of different tables run at once: one can fail ("Generic S3 error") while the store is still
+    shutting down and accepting connections. The error waits a moment for the endpoint to close, and says
+    what to do, not a bare Delta failure (CI saw the bare one once, the store a few ms from gone)."""
+    import socket
+    import threading
+
+    from millpond.lake.delta_options import _wrap
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    closer = threading.Timer(0.8, listener.close)
+    closer.start()
+    try:
+        err = _wrap(OSError("Kernel error -> Generic S3 error"), "s3://lake/t", settings.with_overrides(
+            s3_endpoint=endpoint))
+    finally:
+        closer.cancel()
+        listener.close()
+    assert isinstance(err, StoreUnreachable) and "make up" in str(err), err
+    # A store that stays up: the error is the Delta operation's own, after the settle time.
+    with socket.create_server(("127.0.0.1", 0)) as up:
+        err = _wrap(OSError("Kernel error -> Generic S3 error"), "s3://lake/t", settings.with_overrides(
+            s3_endpoint=f"http://127.0.0.1:{up.getsockname()[1]}"))
+    assert not isinstance(err, StoreUnreachable) and "Generic S3 error" in str(err)
+
+
 def test_busy_port_is_reported(tmp_path) -> None:
     import socket
 

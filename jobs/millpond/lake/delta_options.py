@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from millpond.lake.waits import ATTEMPTS, StoreWait, not_answering, timed_out
 #: No log expiry after each commit: delta-rs's would list the whole log every commit and expire entries that a
 #: version still within retention needs (the upkeep expires the log instead, ``Tables.expire_log``).
 TABLE_CONFIG = {"delta.checkpointInterval": "10", "delta.enableExpiredLogCleanup": "false"}
+#: how long a "Generic S3 error" waits for a stopping store's endpoint to close (``_endpoint_down``)
+ENDPOINT_SETTLE_S = 3.0
 #: tables created with the Delta change feed enabled: a stage reads the rows each commit of its upstream's
 #: ``panes`` added (``Tables.read_added``); an append-only table writes no change files for it
 CHANGE_FEED_TABLES = ("panes",)
@@ -81,20 +84,28 @@ def _commit(txn: Txn | None) -> CommitProperties | None:
     return CommitProperties(app_transactions=actions)
 
 
-def _endpoint_down(endpoint: str | None) -> bool:
+def _endpoint_down(endpoint: str | None, settle_s: float = ENDPOINT_SETTLE_S) -> bool:
     """True if nothing accepts connections at the store's endpoint (a request cut mid-way by a store
-    that stopped surfaces from delta-rs as a bare "Generic S3 error")."""
+    that stopped surfaces from delta-rs as a bare "Generic S3 error"). A store caught stopping still
+    accepts for a moment (a commit of another table failed while it shut down), so the endpoint is
+    asked again for ``settle_s`` before the error is called the store's own."""
     import socket
     from urllib.parse import urlparse
 
     if not endpoint:
         return False
     url = urlparse(endpoint)
-    try:
-        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=1):
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                          timeout=1):
+                pass
+        except OSError:
+            return True
+        if time.monotonic() >= deadline:
             return False
-    except OSError:
-        return True
+        time.sleep(0.2)
 
 
 def _wrap(exc: Exception, uri: str, settings: Settings | None = None) -> MillpondError:
