@@ -49,11 +49,12 @@ class EnginesAgreeMeasures:
         return {label: [t for t in COMPARED if table_rows(tables, name)[t] != base[t]]
                 for label, name in others.items()}
 
-    def _fig14(self) -> dict[str, Any]:
-        """The Figure 14 scenario, landed once per pipeline, run batch by batch on each engine."""
+    def _fig14(self) -> tuple[str, dict[str, tuple[dict, list]]]:
+        """The Figure 14 scenario, landed once per pipeline; run batch by batch here on the local engine. The
+        local pipeline's name, and each Spark strategy's document and steps (run by ``_on_spark``)."""
         spec = load_pipeline(SCENARIOS / "fig14_sessions_retracting.yaml")
         events = read_events(SCENARIOS / "fig14_sessions_retracting.jsonl")
-        names: dict[str, str] = {}
+        name, spark = "", {}
         for label in ("local", *STRATEGIES):
             doc = {**spec.raw, "name": f"bench_fig14_{label.replace('-', '_')}_{uuid.uuid4().hex[:6]}"}
             doc["source"] = {"prefix": f"{doc['name']}/"}
@@ -63,26 +64,34 @@ class EnginesAgreeMeasures:
                 for p, w in steps:
                     run_batch(local, pipeline_from_dict(doc), to_datetime(p),
                               watermark=None if w is None else to_datetime(w))
+                name = doc["name"]
             else:
-                self.client({"mode": "batches", "pipelines": [doc], "steps": [[0, p, w] for p, w in steps],
-                             "overrides": {"engine_one_task_below": STRATEGIES[label]}})
-            names[label] = doc["name"]
-        return names
+                spark[label] = (doc, [[p, w] for p, w in steps])
+        return name, spark
 
-    def _sessions(self, n: int) -> dict[str, str]:
+    def _sessions(self, n: int) -> tuple[str, dict[str, tuple[dict, list]]]:
+        """The sessions workload in 3 batches and a flush: run here on the local engine; the Spark strategies'
+        documents and steps."""
         wl = self.workload(n, self.plan.keys(n), batches=3, seed=31)
-        names: dict[str, str] = {}
         local = self.pipeline("sessions", wl)
         self.run_ours(local, wl, "driver", flush=True)
-        names["local"] = local.name
-        for label, below in STRATEGIES.items():
+        spark = {}
+        for label in STRATEGIES:
             doc = self._doc("sessions", wl)
-            steps = self._steps(wl, list(range(wl.spec.batches)))
-            steps.append([0, wl.spec.start_us + (wl.spec.batches + 1) * wl.spec.interval_us, MAX_TS])
-            self.client({"mode": "batches", "pipelines": [doc], "steps": steps,
+            steps = [s[1:] for s in self._steps(wl, list(range(wl.spec.batches)))]
+            steps.append([wl.spec.start_us + (wl.spec.batches + 1) * wl.spec.interval_us, MAX_TS])
+            spark[label] = (doc, steps)
+        return local.name, spark
+
+    def _on_spark(self, scenarios: list[dict[str, tuple[dict, list]]]) -> list[dict[str, str]]:
+        """Each Spark strategy runs every scenario's pipeline in one Connect client (as a DAG task runs its
+        batches); the pipelines' names by strategy, per scenario."""
+        for label, below in STRATEGIES.items():
+            docs = [s[label][0] for s in scenarios]
+            steps = [[i, *step] for i, s in enumerate(scenarios) for step in s[label][1]]
+            self.client({"mode": "batches", "pipelines": docs, "steps": steps,
                          "overrides": {"engine_one_task_below": below}})
-            names[label] = doc["name"]
-        return names
+        return [{label: s[label][0]["name"] for label in STRATEGIES} for s in scenarios]
 
     def measure_engines_agree(self) -> None:
         n = self.plan.engines_agree_events
@@ -91,9 +100,10 @@ class EnginesAgreeMeasures:
         self.log(f"engines agree: Figure 14 and {n} sessions events in 3 batches + a flush, on the local engine "
                  "and on both Spark strategies")
         found: dict[str, Any] = {}
-        for scenario, names in (("fig14", self._fig14()), (f"sessions_{n}", self._sessions(n))):
-            others = {k: v for k, v in names.items() if k != "local"}
-            found[scenario] = {"pipelines": names, "differing": self._differing(names["local"], others)}
+        scenarios = {"fig14": self._fig14(), f"sessions_{n}": self._sessions(n)}
+        on_spark = self._on_spark([spark for _, spark in scenarios.values()])
+        for (scenario, (local, _)), others in zip(scenarios.items(), on_spark, strict=True):
+            found[scenario] = {"pipelines": {"local": local, **others}, "differing": self._differing(local, others)}
             self.log(f"  {scenario}: {found[scenario]['differing']}")
         differing = sum(len(t) for s in found.values() for t in s["differing"].values())
         self.record("tables_identical_across_engines", differing, None, None, "tables differing", True,

@@ -26,7 +26,7 @@ FEW = 1_000
 #: exchange's partitioner samples a partition that holds most of its input again, alone (Spark's
 #: ``RangePartitioner``, its imbalanced partitions); it hands no rows on
 SAMPLE_RESULT_BYTES = 64 * 1024
-WORKLOAD = WorkloadSpec(events=40_000, keys=2_000, batches=2, seed=11)
+WORKLOAD = WorkloadSpec(events=24_000, keys=1_200, batches=2, seed=11)
 CLIENT = """
 import json, sys
 from millpond.config import load_settings
@@ -36,7 +36,7 @@ from millpond.runtime.engines import spark_batch
 from millpond.runtime.engines.spark_client import connect
 from millpond.runtime.job import run_batch
 doc, url, times = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
-spark_batch.ROWS_PER_TASK = 5_000  # a 40k-row batch as several tasks, as a 1M-row batch is
+spark_batch.ROWS_PER_TASK = 3_000  # a 12k-row batch as several tasks, as a 1M-row batch is
 settings = load_settings().with_overrides(engine="spark", spark_connect=url, engine_one_task_below=0,
                                           engine_local_below=0, spark_shuffle_partitions=4)
 spark = connect(settings)
