@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from engines import ENGINES, ONE_TASK, assert_same, command_env, on, snapshot
-from millpond.errors import LeaseLost, MillpondError
+from millpond.errors import LeaseLost, MillpondError, StoreUnreachable
 from millpond.lake.tables import Tables
 from millpond.orchestration.store import EmbeddedStore
 from millpond.runtime import commits
@@ -198,6 +198,30 @@ def test_store_stopped_mid_batch(tmp_path, monkeypatch, reference, engine, reque
         assert 3 in set(latest.column("batch").to_pylist())
         replay(s, spec, events, spark=spark)
         assert_same(reference, snapshot(tables, "eo_store"), engine)
+    finally:
+        store.stop()
+
+
+def test_a_raw_store_error_at_the_batchs_boundary_says_unreachable(tmp_path, monkeypatch) -> None:
+    """A delta-rs call outside ``Tables`` (a commit's worker thread, the Spark engine's client) can raise the
+    store's own OSError unwrapped: with the store stopped, the batch still fails in the one line that says
+    unreachable and what to do (CI saw "failed: OSError: Kernel error -> Generic S3 error" once, under load)."""
+    from conftest import free_store_env
+    from millpond.config import load_settings
+
+    s = on(load_settings(env={**os.environ, **free_store_env(tmp_path)}), "local")
+    store = EmbeddedStore(s)
+    store.start()
+    try:
+        def stop_store(step: str, batch: int) -> None:
+            if step == "panes" and batch == 2:
+                store.stop()
+                raise OSError("Kernel error -> Generic S3 error: Error performing GET "
+                              f"{s.s3_endpoint}/lake/x in 1ms - HTTP error: error sending request")
+
+        monkeypatch.setattr(commits, "crash_point", stop_store)
+        with pytest.raises(StoreUnreachable, match="unreachable.*make up"):
+            replay(s, load_scenario_pipeline(PIPELINE, "eo_raw"), read_events(EVENTS))
     finally:
         store.stop()
 

@@ -20,7 +20,7 @@ import pyarrow as pa
 from millpond.config import Settings
 from millpond.errors import MillpondError
 from millpond.lake import catalog
-from millpond.lake.delta_options import fence_app
+from millpond.lake.delta_options import fence_app, store_failure
 from millpond.lake.landing import list_landing
 from millpond.lake.lease import Lease
 from millpond.lake.objectstore import ObjectStore, StoredObject
@@ -148,7 +148,8 @@ class MicroBatch:
                 except MillpondError:
                     raise
                 except Exception as exc:  # a bug, or input no rule covers: one line, the way forward
-                    raise batch_failed(self.name, getattr(self, "batch", None), to_us(processing_time), exc) from exc
+                    raise (store_failure(exc, self.settings) or batch_failed(
+                        self.name, getattr(self, "batch", None), to_us(processing_time), exc)) from exc
         finally:
             # No commit left running behind an error or the lease; a step not yet started is dropped. Every
             # call these threads make is bounded (object_store.timeout), so this wait is too.
