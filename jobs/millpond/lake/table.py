@@ -142,6 +142,21 @@ class Table:
         self.tables.open(self.pipeline, self.name)  # this process's snapshot moves forward
         return out
 
+    def bytes_per_span(self, column: str, span_us: int) -> int | None:
+        """About how many bytes of the table's files hold rows whose ``column`` (a timestamp) falls in ``span_us``:
+        the live files' bytes over the range their statistics give the column (at least ``span_us``); None for a
+        table with no such statistics. Sizes a compaction that must not mix rows of different expiries."""
+        dt = self.tables.open(self.pipeline, self.name)
+        if dt is None:
+            return None
+        actions = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
+        lows = [_ts_us(a.get(f"min.{column}")) for a in actions]
+        highs = [_ts_us(a.get(f"max.{column}")) for a in actions]
+        if not actions or None in lows or None in highs:
+            return None
+        size = sum(a["size_bytes"] for a in actions)
+        return size * span_us // max(span_us, max(highs) - min(lows))
+
     def expiries(self, after: int | None, upto: int | None) -> list[dict[str, Any]]:
         """The notes of the expiry commits after version ``after`` up to ``upto`` (with their ``version``), oldest
         first."""
@@ -252,8 +267,8 @@ _LOG_ENTRY = re.compile(r"(\d{20})\.(json|checkpoint\.parquet|checkpoint\.\d+\.\
 
 
 def _ts_us(value: Any) -> int | None:
-    """A statistic's timestamp (datetime, or None) in microseconds since the epoch."""
-    if value is None:
+    """A statistic's timestamp (datetime, or None) in microseconds since the epoch; None if it is not one."""
+    if not isinstance(value, datetime):
         return None
     return (value - _EPOCH) // timedelta(microseconds=1)
 

@@ -43,6 +43,8 @@ COMPACT_OVER_FILES = 8
 #: times over for a week). Files of large batches stand alone.
 COMPACT_SMALL_BYTES = 256 << 10
 COMPACT_TARGET_BYTES = 4 << 20
+#: the smallest size an expiring pipeline's panes are packed up to (``compaction_tiers``)
+COMPACT_FLOOR_BYTES = 16 << 10
 #: a table's first commits replay about as fast as a checkpoint reads: its turns start at this version
 CHECKPOINT_FROM_VERSION = 4
 
@@ -57,10 +59,11 @@ def upkeep_turns(output_tables: Sequence[str], state_tables: Sequence[str]) -> l
 
 
 def maintain(tables: Tables, pipeline: str, batch: int, turn: tuple[str, str], first: Future | None = None,
-             retention_s: float | None = None, expiring: bool = False) -> None:
+             retention_s: float | None = None, expire_us: int | None = None) -> None:
     """One upkeep step. ``first``: a commit to the same table that must land before (one writer per table
     at a time). (``seen_ids`` is compacted by the batches' own commits to it, see ``steps.dedup``.)
-    ``retention_s``: the pipeline's (``retention_of``; default: looked up by its name).
+    ``retention_s``: the pipeline's (``retention_of``; default: looked up by its name). ``expire_us``: the
+    pipeline's ``expire:`` (its panes compact as ``compaction_tiers`` says).
 
     A checkpoint turn vacuums first: a checkpoint forgets the files that versions replaced more than the
     table's retention ago, which a vacuum after it would no longer find. It expires the log last."""
@@ -69,8 +72,10 @@ def maintain(tables: Tables, pipeline: str, batch: int, turn: tuple[str, str], f
     op, table = turn
     try:
         if op == "compact":
+            step = None if expire_us is None or table != "panes" else expire_step(expire_us)
+            per_step = None if step is None else tables.table(pipeline, table).bytes_per_span("window_end", step)
             done = any(tables.compact(pipeline, table, over_files=COMPACT_OVER_FILES, target_size=size)
-                       for size in compaction_tiers(table, expiring))  # (one tier a turn: the first due)
+                       for size in compaction_tiers(per_step))  # (one tier a turn: the first due)
             if done:
                 return
         # (a compaction turn with nothing to compact checkpoints; a log of a few commits needs none)
@@ -82,15 +87,17 @@ def maintain(tables: Tables, pipeline: str, batch: int, turn: tuple[str, str], f
         logger.warning("%s: table upkeep skipped in batch %d: %s", pipeline, batch, exc)
 
 
-def compaction_tiers(table: str, expiring: bool) -> tuple[int, ...]:
-    """The file sizes a table's compaction packs up to, tier by tier. An expiring pipeline's ``panes`` (``expire:``)
-    has the first tier only: an expiry removes a file once its newest row has expired, and a second-tier file,
-    re-packed with the newest panes until it holds 4 MiB, would keep every pane of a pipeline whose ``expire`` holds
-    less than that (measured: 300 files, 4.9 MB of panes after 2,000 batches under ``expire: 1d``). Files of the
-    first tier seal at 256 KiB, so the panes kept past ``expire`` are about one such file."""
-    if expiring and table == "panes":
-        return (COMPACT_SMALL_BYTES,)
-    return (COMPACT_SMALL_BYTES, COMPACT_TARGET_BYTES)
+def compaction_tiers(per_step: int | None = None) -> tuple[int, ...]:
+    """The file sizes a table's compaction packs up to, tier by tier. ``per_step``: for an expiring pipeline's
+    ``panes`` (``expire:``), about how many bytes of panes one expiry step holds (``expire_step``); each tier is
+    capped at it (at least COMPACT_FLOOR_BYTES), so that a packed file spans about one step of window ends and
+    expires about when its rows would have. Uncapped, a file re-packed with the newest panes until it held its
+    tier's size kept every pane of a pipeline whose ``expire`` holds less than that (measured: 300 files, 4.9 MB
+    of panes after 2,000 batches under ``expire: 1d``, where a day of panes is ~0.3 MB)."""
+    tiers = (COMPACT_SMALL_BYTES, COMPACT_TARGET_BYTES)
+    if per_step is None:
+        return tiers
+    return tuple(dict.fromkeys(min(size, max(COMPACT_FLOOR_BYTES, per_step)) for size in tiers))
 
 
 # -- expire: a time to live for output rows ---------------------------------------------------------------
@@ -105,10 +112,15 @@ EXPIRING = {"panes": "window_end", "current": "window_end", "late": "event_time"
 EXPIRE_STEPS = 8
 
 
+def expire_step(expire_us: int) -> int:
+    """The step an expiry's horizon moves by (``EXPIRE_STEPS``)."""
+    return max(1, expire_us // EXPIRE_STEPS)
+
+
 def expiry_horizon(expire_us: int, watermark_us: int) -> int:
     """Where an expiry at ``watermark_us`` deletes below: the watermark less ``expire``, down to a multiple of
     its step (the same horizon however the batches fall)."""
-    step = max(1, expire_us // EXPIRE_STEPS)
+    step = expire_step(expire_us)
     return (watermark_us - expire_us) // step * step
 
 

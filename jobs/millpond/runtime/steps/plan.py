@@ -181,7 +181,7 @@ def start_upkeep(job: BatchContext, batch: int) -> None:
     first = job.commits.plan_commit if turn[1] == "ingest_log" else None
     job.commits.upkeep = job.background.submit(maintain, job.tables, job.name, batch, turn, first,
                                                retention_of(job.settings, job.name, job.spec),
-                                               job.spec.expire is not None)
+                                               job.spec.expire)
 
 
 def pinned_clock(the_plan: dict[str, Any], asked: int, explicit: int | None) -> tuple[int, int | None, str]:
