@@ -193,7 +193,7 @@ def test_a_generic_s3_error_while_the_store_stops_is_called_unreachable(settings
     import socket
     import threading
 
-    from millpond.lake.delta_options import _wrap
+    from millpond.lake.delta_options import _wrap, store_failure
 
     listener = socket.create_server(("127.0.0.1", 0))
     endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
@@ -206,11 +206,15 @@ def test_a_generic_s3_error_while_the_store_stops_is_called_unreachable(settings
         closer.cancel()
         listener.close()
     assert isinstance(err, StoreUnreachable) and "make up" in str(err), err
-    # A store that stays up: the error is the Delta operation's own, after the settle time.
+    # A store that stays up: the error is the Delta operation's own, after the settle time; at a batch's boundary
+    # such an error is left to the batch's own failure line (its way forward), as is anything not the store's.
     with socket.create_server(("127.0.0.1", 0)) as up:
-        err = _wrap(OSError("Kernel error -> Generic S3 error"), "s3://lake/t", settings.with_overrides(
-            s3_endpoint=f"http://127.0.0.1:{up.getsockname()[1]}"))
+        up_settings = settings.with_overrides(s3_endpoint=f"http://127.0.0.1:{up.getsockname()[1]}")
+        err = _wrap(OSError("Kernel error -> Generic S3 error"), "s3://lake/t", up_settings)
+        assert store_failure(OSError("Kernel error -> Generic S3 error"), up_settings) is None
     assert not isinstance(err, StoreUnreachable) and "Generic S3 error" in str(err)
+    assert store_failure(ValueError("Generic S3 error"), settings) is None
+    assert store_failure(OSError("[Errno 2] No such file or directory"), settings) is None
 
 
 def test_busy_port_is_reported(tmp_path) -> None:

@@ -130,13 +130,15 @@ def _wrap(exc: Exception, uri: str, settings: Settings | None = None) -> Millpon
 def store_failure(exc: BaseException, settings: Settings) -> MillpondError | None:
     """The one-line error for a raw object-store failure that reached a batch's boundary unwrapped (a delta-rs
     call made outside ``Tables``, e.g. on a commit's worker thread or by the Spark engine's client), or None if
-    ``exc`` is not one. Same words as a wrapped one: a stopped store says unreachable and what to do."""
+    ``exc`` is not one the store explains (then the batch's own failure line, with its way forward, says it).
+    Same words as a wrapped one: a stopped store says unreachable and what to do."""
     if not isinstance(exc, OSError) or isinstance(exc, MillpondError):
         return None
     text = str(exc).lower()
     if not any(s in text for s in ("generic s3 error", "error sending request", "object store", "kernel error")):
         return None
-    return _wrap(exc, f"s3://{settings.bucket_lake}", settings)
+    err = _wrap(exc, f"s3://{settings.bucket_lake}", settings)
+    return None if str(err).startswith("Delta operation on") else err
 
 
 def _table_config(stats_columns: Sequence[str] | None, name: str = "", retention_s: float | None = None
