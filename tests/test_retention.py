@@ -260,3 +260,39 @@ def test_retention_is_a_strict_setting_and_pipeline_key(settings) -> None:
         pipeline_from_dict(doc("p", retension="30d"))
     assert pipeline_from_dict(doc("p", retention="30d")).retention == 30 * 86400 * US
     assert retention_of(settings, "p", pipeline_from_dict(doc("p", retention="1h"))) == 7 * 86400  # only longer
+
+
+def test_no_commit_writes_a_checkpoint_that_strands_replaced_files(settings, pipeline_name) -> None:
+    """A checkpoint forgets the files that versions replaced more than the retention ago, and a vacuum below an hour
+    finds replaced files through the log alone: a checkpoint written by a commit at any time (delta-rs's hook,
+    every 10 commits) left such files stranded for good (the bench's `panes` gained ~300 over 1,500 batches). A
+    batch's commits write none, whichever verb makes them (an expiry, a reprocess's restore and its transaction
+    marker, a clear, files committed for Spark's tasks): only the upkeep does, right after its vacuum."""
+    import pyarrow as pa
+    from millpond.lake.file_commits import commit_files, live_files
+    from millpond.lake.tables import Txn
+
+    tables = Tables(settings, auto_checkpoint=False)
+    name = "ckpt"
+    table = tables.table(pipeline_name, name)
+    schema = pa.schema([("window_end", pa.timestamp("us", tz="UTC")), ("batch", pa.int64())])
+
+    def append_upto(version: int) -> None:  # one row a commit until the table is at ``version``
+        while (table.version() if table.exists() else -1) < version:
+            n = (table.version() if table.exists() else -1) + 1
+            tables.append(pipeline_name, name, pa.table({"window_end": [to_datetime(T0 + n * MINUTE)], "batch": [n]},
+                                                        schema=schema))
+
+    verbs = {"expire": lambda: table.expire("window_end", T0 + 2 * MINUTE, {"batch": 0}),
+             "restore": lambda: table.restore(table.version() - 3),
+             "restore marker": lambda: table.restore(table.version(), txn=Txn("ckpt-test", 1)),
+             "clear": lambda: table.clear("batch = 25"),
+             "commit_files": lambda: commit_files(tables, pipeline_name, name, [], schema, None,
+                                                  removes=live_files(tables, pipeline_name, name, table.version())[:1])}
+    for i, (verb, commit) in enumerate(verbs.items()):
+        append_upto(10 * i + 8)
+        before = table.version()
+        commit()  # the tenth commit: delta-rs's hook would checkpoint here
+        assert table.version() == before + 1, verb
+        checkpoints = [v for v, kind, _ in table._log() if kind == "checkpoint"]
+        assert not checkpoints, (verb, checkpoints)

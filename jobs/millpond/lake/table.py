@@ -86,12 +86,13 @@ class Table:
             if txn is not None:
                 try:
                     dt.create_write_transaction([], "append", dt.schema(), dt.metadata().partition_columns or None,
-                                                commit_properties=_commit(txn))
+                                                commit_properties=_commit(txn),
+                                                post_commithook_properties=self.tables._hooks)
                 except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
                     raise _wrap(exc, self.uri, self.tables.settings) from exc
             return self.version()
         try:
-            dt.restore(version, commit_properties=_commit(txn))
+            dt.restore(version, commit_properties=_commit(txn), post_commithook_properties=self.tables._hooks)
         except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
             raise _wrap(exc, self.uri, self.tables.settings) from exc
         return self.version()
@@ -103,7 +104,7 @@ class Table:
         if dt is None or self.tables.already_applied(dt, txn):
             return None
         try:
-            dt.delete(where, commit_properties=_commit(txn))
+            dt.delete(where, commit_properties=_commit(txn), post_commithook_properties=self.tables._hooks)
         except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
             raise _wrap(exc, self.uri, self.tables.settings) from exc
         return self.version()
@@ -136,7 +137,8 @@ class Table:
         try:
             dt.create_write_transaction(gone, "append", dt.schema(), dt.metadata().partition_columns or None,
                                         commit_properties=CommitProperties(
-                                            custom_metadata={EXPIRY_KEY: json.dumps(info, sort_keys=True)}))
+                                            custom_metadata={EXPIRY_KEY: json.dumps(info, sort_keys=True)}),
+                                        post_commithook_properties=self.tables._hooks)
         except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
             raise _wrap(exc, self.uri, self.tables.settings) from exc
         self.tables.open(self.pipeline, self.name)  # this process's snapshot moves forward
