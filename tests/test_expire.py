@@ -231,3 +231,37 @@ def test_an_expiring_pipelines_panes_pack_up_to_one_steps_bytes(tables, pipeline
     assert table.bytes_per_span("window_end", 60 * MINUTE) == total * 60 * MINUTE // span
     assert table.bytes_per_span("window_end", 24 * 60 * MINUTE) == total  # a span longer than the data: all of it
     assert table.bytes_per_span("v", MINUTE) is None  # not a timestamp with statistics
+
+
+def test_an_expiring_pipelines_panes_pack_with_their_neighbours_in_time(settings, tables, pipeline_name) -> None:
+    """An expiring pipeline's ``panes`` compact in the order of ``window_end`` (``lake.packing``): each packed file
+    holds the rows of adjacent files in time, whatever their sizes, so it expires about when its rows do; the rows,
+    and a stage's reading of the table's changes, are as before (a ``dataChange=false`` commit). delta-rs's
+    compaction bins files in the order it lists them: here it packed hours far apart together."""
+    from datetime import timedelta
+
+    from millpond.lake.delta_files import added_files
+    from millpond.runtime import upkeep
+
+    start, rnd = to_datetime(T0), random.Random(5)
+    # one file an hour of window ends, every other one four times the rows, in the order a table's files may be
+    # listed in (a packed file is added after the files it followed in time; a checkpoint reorders them)
+    for hour in rnd.sample(range(12), 12):
+        ends = [start + timedelta(hours=hour, seconds=s) for s in range(0, 3600, 25 if hour % 2 else 100)]
+        tables.append(pipeline_name, "panes", pa.table({
+            "window_end": pa.array(ends, pa.timestamp("us", tz="UTC")), "batch": [hour + 1] * len(ends),
+            "v": [rnd.randrange(10**6) for _ in ends]}))
+    before, version = canonical(rows(tables, pipeline_name, "panes")), tables.version(pipeline_name, "panes")
+    sizes = pa.table(tables.open(pipeline_name, "panes").get_add_actions(flatten=True)).column("size_bytes").to_pylist()
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(upkeep, "compaction_tiers", lambda per_step=None: (max(sizes) * 3,))
+    try:  # an expiring pipeline's compaction turn (``expire: 8h``: a step of an hour)
+        upkeep.maintain(tables, pipeline_name, 13, ("compact", "panes"), retention_s=3600, expire_us=8 * 60 * MINUTE)
+    finally:
+        monkey.undo()
+    files = pa.table(tables.open(pipeline_name, "panes").get_add_actions(flatten=True)).to_pylist()
+    assert len(files) < 12 and canonical(rows(tables, pipeline_name, "panes")) == before
+    hours = sorted((a["min.batch"], a["max.batch"]) for a in files)  # the hours each file holds, in order
+    assert all(lo <= hi < nxt for (lo, hi), (nxt, _) in zip(hours, hours[1:], strict=False)), hours
+    assert sum(hi - lo + 1 for lo, hi in hours) == 12
+    assert added_files(tables, pipeline_name, "panes", version, tables.version(pipeline_name, "panes")) == []

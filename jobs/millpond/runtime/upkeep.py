@@ -12,6 +12,7 @@ naming the setting (``beyond_retention``), before anything is written."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ import yaml
 
 from millpond.config import Settings
 from millpond.errors import MillpondError
+from millpond.lake.packing import pack
 from millpond.lake.schemas import BOOKKEEPING_TABLES
 from millpond.lake.tables import Tables
 from millpond.model.spec import PipelineSpec, parse_retention
@@ -59,11 +61,13 @@ def upkeep_turns(output_tables: Sequence[str], state_tables: Sequence[str]) -> l
 
 
 def maintain(tables: Tables, pipeline: str, batch: int, turn: tuple[str, str], first: Future | None = None,
-             retention_s: float | None = None, expire_us: int | None = None) -> None:
+             retention_s: float | None = None, expire_us: int | None = None,
+             writes_since: float | None = None) -> None:
     """One upkeep step. ``first``: a commit to the same table that must land before (one writer per table
     at a time). (``seen_ids`` is compacted by the batches' own commits to it, see ``steps.dedup``.)
     ``retention_s``: the pipeline's (``retention_of``; default: looked up by its name). ``expire_us``: the
-    pipeline's ``expire:`` (its panes compact as ``compaction_tiers`` says).
+    pipeline's ``expire:`` (its panes compact as ``compaction_tiers`` says). ``writes_since``: when the batch
+    began writing (none of its data files is older; ``Table.vacuum``).
 
     A checkpoint turn vacuums first: a checkpoint forgets the files that versions replaced more than the
     table's retention ago, which a vacuum after it would no longer find. It expires the log last."""
@@ -74,13 +78,15 @@ def maintain(tables: Tables, pipeline: str, batch: int, turn: tuple[str, str], f
         if op == "compact":
             step = None if expire_us is None or table != "panes" else expire_step(expire_us)
             per_step = None if step is None else tables.table(pipeline, table).bytes_per_span("window_end", step)
-            done = any(tables.compact(pipeline, table, over_files=COMPACT_OVER_FILES, target_size=size)
+            compact = (functools.partial(tables.compact, pipeline, table) if step is None  # by size (delta-rs's)
+                       else functools.partial(pack, tables, pipeline, table, "window_end"))  # by time (expiring)
+            done = any(compact(over_files=COMPACT_OVER_FILES, target_size=size)
                        for size in compaction_tiers(per_step))  # (one tier a turn: the first due)
             if done:
                 return
         # (a compaction turn with nothing to compact checkpoints; a log of a few commits needs none)
         keep = retention_of(tables.settings, pipeline) if retention_s is None else retention_s
-        tables.table(pipeline, table).vacuum(keep)
+        tables.table(pipeline, table).vacuum(keep, writes_since)
         tables.checkpoint(pipeline, table, min_version=CHECKPOINT_FROM_VERSION)
         tables.table(pipeline, table).expire_log(keep)
     except MillpondError as exc:
