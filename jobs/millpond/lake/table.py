@@ -205,16 +205,20 @@ class Table:
         dt = self.tables.open(self.pipeline, self.name)
         return None if dt is None else retention_seconds(dt.metadata().configuration)
 
-    def vacuum(self, retention_s: float) -> int:
+    def vacuum(self, retention_s: float, writes_since: float | None = None) -> int:
         """Delete the data files that no version within ``retention_s`` needs: the files that versions replaced
         more than ``retention_s`` ago (delta-rs's vacuum), so every version that was the table's latest at any
         time since keeps its files. Returns how many went. The retention is first recorded in the table's
         properties (a commit, when they differ), which the vacuum reads to the second (its ``retention_hours``
         would round to hours), and with which the log expires (``expire_log``).
 
-        From an hour on, a full vacuum: also the files no commit names that are older than that (a killed
-        write's); below (tests), only the files commits removed, since a file a batch's Spark tasks are still
-        writing may be a few seconds old."""
+        A full vacuum when it is safe: also the files no commit names that are older than the retention (a killed
+        write's, and those whose removal a checkpoint forgot: a checkpoint drops the removes older than the
+        retention, so one written just after a vacuum strands the files that came due in between). Safe from an
+        hour on, or when no file being written can be older than the retention: ``writes_since``, the time from
+        which the pipeline's batch writes its files (its lease keeps other batches out), less IN_FLIGHT_MARGIN_S
+        for a write outside a batch (an operator's command: seconds). Otherwise (tests' retentions of seconds),
+        only the files commits removed."""
         dt = self.tables.open(self.pipeline, self.name)
         if dt is None:
             return 0
@@ -224,7 +228,7 @@ class Table:
             if any(dt.metadata().configuration.get(k) != v for k, v in wanted.items()):
                 dt.alter.set_table_properties(wanted, raise_if_not_exists=False, post_commithook_properties=hooks)
             deleted = dt.vacuum(retention_hours=None, dry_run=False, enforce_retention_duration=False,
-                                full=retention_s >= 3600, post_commithook_properties=hooks)
+                                full=_full_vacuum_safe(retention_s, writes_since), post_commithook_properties=hooks)
         except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
             raise _wrap(exc, self.uri, self.tables.settings) from exc
         if dt.metadata().configuration.get("delta.enableChangeDataFeed") == "true":
@@ -262,6 +266,18 @@ class Table:
             raise _wrap(exc, self.uri, self.tables.settings) from exc
         expired = {v for v, kind, _ in log if kind == "json" and v < since}
         return len(expired - {v for v, kind, _ in self._log(upto=since - 1) if kind == "json"})
+
+
+#: how long a write outside a batch (an operator's command, delta-rs writing and committing) keeps a data file
+#: uncommitted, at most: a full vacuum leaves the files younger than the retention, so it must be longer
+IN_FLIGHT_MARGIN_S = 10.0
+
+
+def _full_vacuum_safe(retention_s: float, writes_since: float | None) -> bool:
+    """Whether no data file still being written can be older than ``retention_s`` (``Table.vacuum``)."""
+    if retention_s >= 3600:
+        return True
+    return writes_since is not None and retention_s >= time.time() - writes_since + IN_FLIGHT_MARGIN_S
 
 
 #: an entry of a table's log: a commit (``00000000000000000012.json``) or a checkpoint (``...12.checkpoint.parquet``)

@@ -4,6 +4,7 @@ else, so that a rerun after a crash finds it and redoes exactly the same work.""
 from __future__ import annotations
 
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -181,7 +182,7 @@ def start_upkeep(job: BatchContext, batch: int) -> None:
     first = job.commits.plan_commit if turn[1] == "ingest_log" else None
     job.commits.upkeep = job.background.submit(maintain, job.tables, job.name, batch, turn, first,
                                                retention_of(job.settings, job.name, job.spec),
-                                               job.spec.expire)
+                                               job.spec.expire, time.time())
 
 
 def pinned_clock(the_plan: dict[str, Any], asked: int, explicit: int | None) -> tuple[int, int | None, str]:
