@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - started:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
     steps = [m for o in args.only for m in o.split(",")] if args.only else None
+    # a terminated bench stops what it started (its store, Spark) as an interrupted one does
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     doc = main_bench(plan, out, log=log, steps=steps)
     print(ratio_table(doc["records"]))
     for note in doc["notes"]:
