@@ -34,7 +34,7 @@ def commit_files(tables: Tables, pipeline: str, name: str, files: Sequence[dict]
     dt = dt or tables.ensure(pipeline, name, schema, partition_by=partition_by, stats_columns=stats_columns)
     try:
         dt.create_write_transaction([*adds, *gone], "append", schema, list(partition_by) if partition_by else None,
-                                    commit_properties=_commit(txn), post_commithook_properties=tables._hooks)
+                                    commit_properties=_commit(txn), post_commithook_properties=tables.commit_hooks)
     except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
         raise _wrap(exc, tables.uri(pipeline, name), tables.settings) from exc
     tables.open(pipeline, name)  # moves this process's snapshot forward (the marker reads its version)

@@ -72,7 +72,7 @@ def pack(tables: Any, pipeline: str, name: str, column: str, over_files: int, ta
         dt.create_write_transaction(actions, "append", dt.schema(), None,
                                     commit_properties=CommitProperties(
                                         custom_metadata={PACK_KEY: json.dumps(info, sort_keys=True)}),
-                                    post_commithook_properties=tables._hooks)
+                                    post_commithook_properties=tables.commit_hooks)
     except Exception as exc:  # noqa: BLE001 - delta-rs and store errors become one line
         raise _wrap(exc, uri, tables.settings) from exc
     tables.open(pipeline, name)  # this process's snapshot moves forward

@@ -87,12 +87,12 @@ class Table:
                 try:
                     dt.create_write_transaction([], "append", dt.schema(), dt.metadata().partition_columns or None,
                                                 commit_properties=_commit(txn),
-                                                post_commithook_properties=self.tables._hooks)
+                                                post_commithook_properties=self.tables.commit_hooks)
                 except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
                     raise _wrap(exc, self.uri, self.tables.settings) from exc
             return self.version()
         try:
-            dt.restore(version, commit_properties=_commit(txn), post_commithook_properties=self.tables._hooks)
+            dt.restore(version, commit_properties=_commit(txn), post_commithook_properties=self.tables.commit_hooks)
         except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
             raise _wrap(exc, self.uri, self.tables.settings) from exc
         return self.version()
@@ -104,7 +104,7 @@ class Table:
         if dt is None or self.tables.already_applied(dt, txn):
             return None
         try:
-            dt.delete(where, commit_properties=_commit(txn), post_commithook_properties=self.tables._hooks)
+            dt.delete(where, commit_properties=_commit(txn), post_commithook_properties=self.tables.commit_hooks)
         except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
             raise _wrap(exc, self.uri, self.tables.settings) from exc
         return self.version()
@@ -138,7 +138,7 @@ class Table:
             dt.create_write_transaction(gone, "append", dt.schema(), dt.metadata().partition_columns or None,
                                         commit_properties=CommitProperties(
                                             custom_metadata={EXPIRY_KEY: json.dumps(info, sort_keys=True)}),
-                                        post_commithook_properties=self.tables._hooks)
+                                        post_commithook_properties=self.tables.commit_hooks)
         except Exception as exc:  # noqa: BLE001 - delta-rs errors become one line
             raise _wrap(exc, self.uri, self.tables.settings) from exc
         self.tables.open(self.pipeline, self.name)  # this process's snapshot moves forward
@@ -222,7 +222,7 @@ class Table:
         dt = self.tables.open(self.pipeline, self.name)
         if dt is None:
             return 0
-        hooks = self.tables._hooks  # the writer's: no checkpoint, no log expiry of delta-rs's own
+        hooks = self.tables.commit_hooks  # the writer's: no checkpoint, no log expiry of delta-rs's own
         try:
             wanted = retention_config(retention_s)
             if any(dt.metadata().configuration.get(k) != v for k, v in wanted.items()):

@@ -103,6 +103,11 @@ class Tables:
     def uri(self, pipeline: str, name: str) -> str:
         return self.settings.table_uri(pipeline, name)
 
+    @property
+    def commit_hooks(self) -> PostCommitHookProperties | None:
+        """What every commit of this writer passes to delta-rs as its post-commit hooks (``auto_checkpoint``)."""
+        return self._hooks
+
     # -- opening -----------------------------------------------------------------------------
     def table(self, pipeline: str, name: str) -> Table:
         """The noun for one table: ``tables.table(p, "panes").append(rows, txn=txn)``."""
