@@ -233,7 +233,8 @@ def test_an_expiring_pipelines_panes_pack_up_to_one_steps_bytes(tables, pipeline
     assert table.bytes_per_span("v", MINUTE) is None  # not a timestamp with statistics
 
 
-def test_an_expiring_pipelines_panes_pack_with_their_neighbours_in_time(settings, tables, pipeline_name) -> None:
+def test_an_expiring_pipelines_panes_pack_with_their_neighbours_in_time(settings, tables, pipeline_name,
+                                                                         monkeypatch) -> None:
     """An expiring pipeline's ``panes`` compact in the order of ``window_end`` (``lake.packing``): each packed file
     holds the rows of adjacent files in time, whatever their sizes, so it expires about when its rows do; the rows,
     and a stage's reading of the table's changes, are as before (a ``dataChange=false`` commit). delta-rs's
@@ -253,12 +254,9 @@ def test_an_expiring_pipelines_panes_pack_with_their_neighbours_in_time(settings
             "v": [rnd.randrange(10**6) for _ in ends]}))
     before, version = canonical(rows(tables, pipeline_name, "panes")), tables.version(pipeline_name, "panes")
     sizes = pa.table(tables.open(pipeline_name, "panes").get_add_actions(flatten=True)).column("size_bytes").to_pylist()
-    monkey = pytest.MonkeyPatch()
-    monkey.setattr(upkeep, "compaction_tiers", lambda per_step=None: (max(sizes) * 3,))
-    try:  # an expiring pipeline's compaction turn (``expire: 8h``: a step of an hour)
-        upkeep.maintain(tables, pipeline_name, 13, ("compact", "panes"), retention_s=3600, expire_us=8 * 60 * MINUTE)
-    finally:
-        monkey.undo()
+    monkeypatch.setattr(upkeep, "compaction_tiers", lambda per_step=None: (max(sizes) * 3,))
+    # an expiring pipeline's compaction turn (``expire: 8h``: a step of an hour)
+    upkeep.maintain(tables, pipeline_name, 13, ("compact", "panes"), retention_s=3600, expire_us=8 * 60 * MINUTE)
     files = pa.table(tables.open(pipeline_name, "panes").get_add_actions(flatten=True)).to_pylist()
     assert len(files) < 12 and canonical(rows(tables, pipeline_name, "panes")) == before
     hours = sorted((a["min.batch"], a["max.batch"]) for a in files)  # the hours each file holds, in order
