@@ -41,7 +41,7 @@ from millpond.runtime.engines.spark_keys import per_key_step
 from millpond.runtime.engines.spark_state import StateFiles, ranged, state_files
 from millpond.runtime.engines.spark_values import batch_values, with_values
 from millpond.runtime.engines.spark_watchdog import watched
-from millpond.runtime.steps.dedup import seen_keep_from
+from millpond.runtime.steps.dedup import by_id, seen_keep_from
 from millpond.runtime.steps.read import held_rows
 from millpond.runtime.steps.validate import first_retracted
 
@@ -120,10 +120,13 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
     rows = rows.cache()
     bad = rows.where(F.col("reason").isNotNull())
     good = rows.where(F.col("reason").isNull())
-    first = Window.partitionBy("id").orderBy("arrival_time", "file_rank", "pos")
-    firsts = good.withColumn("_n", F.row_number().over(first)).where("_n = 1").drop("_n")
+    if by_id(job):
+        first = Window.partitionBy("id").orderBy("arrival_time", "file_rank", "pos")
+        firsts = good.withColumn("_n", F.row_number().over(first)).where("_n = 1").drop("_n")
+    else:  # a stage: its elements' ids are unique by construction (``steps.dedup.by_id``), no shuffle by id
+        firsts = good
     accepted = firsts
-    if seen is not None:
+    if seen is not None and by_id(job):
         # the batch's event-time range joined in the plan (a one-row broadcast), not collected first
         bounds = firsts.agg(F.min("event_time").alias("_lo"), F.max("event_time").alias("_hi"))
         known = (seen.select("id", F.unix_micros("event_time").alias("_et")).crossJoin(F.broadcast(bounds))
@@ -226,9 +229,9 @@ def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes
         if tally.get(f"{table}:", 0) or (table == "quarantine" and quarantined) or tally.get(f"{table}:value") \
                 or tally.get(f"{table}:retraction"):
             writes.append(append_write(job, txn, table, df, schema))
-    if accepted_rows and keep_from is None:
+    if accepted_rows and keep_from is None and by_id(job):
         writes.append(append_write(job, txn, "seen_ids", own, SEEN_SCHEMA))
-    elif accepted_rows:
+    elif accepted_rows and by_id(job):
         writes.append(rewrite_seen(job, txn, seen, own, values, versions["seen_ids"], partitions))
     if state_changes:
         writes.append(_rewrite_windows(job, txn, values, out, stored_files, stored, partitions, state_changes))

@@ -390,7 +390,7 @@ def _write(job: BatchContext, work: BatchWork, clock: BatchClock, out, bad, acce
     under the batch's transaction, with the local engine's step names."""
     from millpond.runtime.engines.spark_batch import append_write, batch_column, rewrite_seen, ts_column
     from millpond.runtime.engines.spark_values import batch_values, with_values
-    from millpond.runtime.steps.dedup import seen_keep_from
+    from millpond.runtime.steps.dedup import by_id, seen_keep_from
 
     txn, versions = work.txn, work.plan["versions"]
     keep_from = seen_keep_from(job, work.w_in, versions.get("seen_ids"))
@@ -400,7 +400,7 @@ def _write(job: BatchContext, work: BatchWork, clock: BatchClock, out, bad, acce
         rows = with_values(bad, values).select("source_file", "line", "raw", "reason", batch_column())
         quarantine = append_write(job, txn, "quarantine", rows.coalesce(partitions), QUARANTINE_SCHEMA)
         steps.append(("quarantine", *quarantine))
-    if counts["accepted"]:  # a batch that accepts nothing leaves seen_ids alone, as on the local engine
+    if counts["accepted"] and by_id(job):  # a batch that accepts nothing leaves seen_ids alone, as locally
         own = with_values(accepted, values).select("id", ts_column("event_time"), batch_column())
         seen_write = (append_write(job, txn, "seen_ids", own, SEEN_SCHEMA) if keep_from is None
                       else rewrite_seen(job, txn, seen, own, values, versions["seen_ids"], partitions))

@@ -150,6 +150,7 @@ def _write(job: TaskBatch, given: TaskInput, out, bad: list[tuple], accepted: pa
     """Every output table's data files (the local engine's commits, as files): (table, add action) per file,
     the tables the batch changes (a rewrite may leave no rows, hence no file), and the current view's (day,
     hour) partitions the batch rewrote."""
+    from millpond.runtime.steps import dedup
     from millpond.runtime.steps.commit import quarantine_rows, seen_rows, seen_rows_kept, time_partitions
 
     tables: dict[str, tuple[pa.Table, list[str]]] = {}
@@ -159,7 +160,7 @@ def _write(job: TaskBatch, given: TaskInput, out, bad: list[tuple], accepted: pa
         tables["panes"] = out.panes, []
     if bad:
         tables["quarantine"] = quarantine_rows(bad, given.batch), []
-    if accepted.num_rows:
+    if accepted.num_rows and dedup.by_id(job):
         own = seen_rows(accepted, given.batch)
         tables["seen_ids"] = (own if kept is None else seen_rows_kept(kept, own)), []
     if out.state.num_rows:

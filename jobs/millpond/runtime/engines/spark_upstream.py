@@ -186,21 +186,23 @@ def _with_previous(job: BatchContext, name: str, rows, version: int | None, part
     """``rows`` with ``_prev``: over an accumulating upstream, the value of its window's previous value pane as
     of ``version`` (null for a window's first), as ``steps.upstream.previous_values``. ``whole``: ``rows`` are the
     upstream's whole panes at ``version`` (a stage's first range, a backfill from scratch), so they hold every
-    earlier pane themselves: the table is not read a second time."""
+    earlier pane themselves: the table is not read a second time, and the previous value pane (the last with a
+    lower pane index) is found by a window over them, without joining it back."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    if whole:
-        hist = rows.where("kind = 'value'")
-    else:
-        hist = _read(job, name, version, snapshot_files(job.tables, name, "panes", version), partitions)
-        if hist is None:
-            return rows.withColumn("_prev", F.lit(None).cast("bigint" if job.spec.value_type == "int" else "double"))
-        bounds = rows.agg(F.min("window_start").alias("_lo"), F.max("window_start").alias("_hi"))
-        windows = rows.select(*PANE_KEY).distinct()
-        hist = (hist.where("kind = 'value'").crossJoin(F.broadcast(bounds))
-                .where(F.col("window_start").between(F.col("_lo"), F.col("_hi")))
-                .join(windows, PANE_KEY, "left_semi"))
+    if whole:  # one window over the rows themselves: no second read, no join back
+        earlier = Window.partitionBy(*PANE_KEY).orderBy("pane_index").rangeBetween(Window.unboundedPreceding, -1)
+        value = F.when(F.col("kind") == F.lit("value"), F.col("value"))
+        return rows.withColumn("_prev", F.last(value, ignorenulls=True).over(earlier))
+    hist = _read(job, name, version, snapshot_files(job.tables, name, "panes", version), partitions)
+    if hist is None:
+        return rows.withColumn("_prev", F.lit(None).cast("bigint" if job.spec.value_type == "int" else "double"))
+    bounds = rows.agg(F.min("window_start").alias("_lo"), F.max("window_start").alias("_hi"))
+    windows = rows.select(*PANE_KEY).distinct()
+    hist = (hist.where("kind = 'value'").crossJoin(F.broadcast(bounds))
+            .where(F.col("window_start").between(F.col("_lo"), F.col("_hi")))
+            .join(windows, PANE_KEY, "left_semi"))
     prev = hist.select(*PANE_KEY, "pane_index", F.lag("value").over(
         Window.partitionBy(*PANE_KEY).orderBy("pane_index")).alias("_prev"))
     return rows.join(prev, [*PANE_KEY, "pane_index"], "left")

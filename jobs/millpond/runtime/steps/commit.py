@@ -24,6 +24,7 @@ from millpond.model.panes import TS
 from millpond.model.versions import STATE_FORMAT
 from millpond.runtime.assembly import Assembly, ts_array
 from millpond.runtime.commits import PhaseTimer
+from millpond.runtime.steps import dedup
 from millpond.runtime.steps.versions import spec_record
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def commit_inputs(job: BatchContext, batch: int, txn: Txn, bad: list[tuple], acc
     if bad:
         job.commits.step("quarantine", lambda: job.tables.append(name, "quarantine", quarantine_rows(bad, batch),
                                                                  txn=txn))
-    if not accepted.num_rows:
+    if not accepted.num_rows or not dedup.by_id(job):
         return
     own = seen_rows(accepted, batch)
     if kept is None:

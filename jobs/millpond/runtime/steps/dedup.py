@@ -40,15 +40,27 @@ def seen_keep_from(job: BatchContext, w_in: int, seen_version: int | None) -> in
     files = job.tables.file_count(job.name, "seen_ids", version=seen_version)
     return w_in - horizon if files > SEEN_FOLD_OVER_FILES else None
 
+def by_id(job: BatchContext) -> bool:
+    """Whether the batch's elements are deduplicated by id (and their ids kept in ``seen_ids``). A landing
+    batch's are: a source may deliver an event twice. A stage's are not: it consumes its upstreams' panes by
+    version range, each range once, pinned by its plan and committed under the batch's transaction (a retry
+    reads the same range, a rewind of either side moves the ranges, ``steps.upstream``), and its elements' ids
+    are unique by construction (``steps.upstream.pane_elements``: upstream epoch, key, window, pane index, kind).
+    A dedup by id would only cost a shuffle of every pane row and a ``seen_ids`` row per upstream pane."""
+    return job.spec.upstream is None
+
+
 def dedup(job: BatchContext, good: pa.Table, seen_version: int | None, w_in: int
           ) -> tuple[pa.Table, pa.Table | None]:
     """Within the batch the first by (arrival, file, line) of each id wins; ids accepted by earlier
     batches are duplicates. The accepted elements, in (arrival, file, line) order; and, when the
     batch is to replace seen_ids' files (``seen_keep_from``), the earlier ids it keeps (else None),
-    taken by the same read."""
+    taken by the same read. A stage's elements (``by_id``) are all accepted, in the same order."""
     n = good.num_rows
     if not n:
         return good, None
+    if not by_id(job):
+        return good.take(pc.sort_indices(good.column("arrival_time"))), None
     order = pc.sort_indices(good.column("arrival_time")).to_numpy()  # stable (see _read)
     rank = np.empty(n, np.int64)
     rank[order] = np.arange(n, dtype=np.int64)

@@ -7,7 +7,8 @@ marker (inclusive), and that marker's watermark. A retried batch finds its plan 
 a panes commit of an upstream batch whose marker has not landed yet lies beyond the range and waits for
 the next batch. Only the rows the range's commits added are read (``Tables.read_added``: the Delta change
 feed, which skips compactions). Each pane becomes one element (``model.stages`` says how); its id names
-the upstream, key, window, pane index and kind, so the dedup step drops a pane taken twice. The batch's
+the upstream, key, window, pane index and kind, unique by construction: a range is consumed once, so a stage
+does not deduplicate by id (``steps.dedup.by_id``). The batch's
 input watermark is the least of the upstreams' recorded watermarks (``input_watermark``).
 
 A version names the upstream's panes as they were then (None: none). What a stage has consumed is always the
