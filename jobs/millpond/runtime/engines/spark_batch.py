@@ -110,23 +110,18 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
     if job.spec.upstream is not None:  # a stage: its upstreams' panes as elements, in the same columns
         from millpond.runtime.engines.spark_upstream import stage_input
 
-        rows = stage_input(job, the_plan, partitions)
-    else:
-        rows = spark_io.read_landing(spark, job.settings, list(zip(the_plan["files"], the_plan["arrivals"],
-                                                                   strict=True)),
-                                     job.spec.value_type, processing_time, tasks=partitions)
+        return stage_elements(spark, stage_input(job, the_plan, partitions))
+    rows = spark_io.read_landing(spark, job.settings, list(zip(the_plan["files"], the_plan["arrivals"], strict=True)),
+                                 job.spec.value_type, processing_time, tasks=partitions)
     # cached, not checkpointed: its plan is a read of the files, cheap to analyse again, and a cache is filled
     # by the first job that reads it (a lazy checkpoint read the files once more in a job of its own)
     rows = rows.cache()
     bad = rows.where(F.col("reason").isNotNull())
     good = rows.where(F.col("reason").isNull())
-    if by_id(job):
-        first = Window.partitionBy("id").orderBy("arrival_time", "file_rank", "pos")
-        firsts = good.withColumn("_n", F.row_number().over(first)).where("_n = 1").drop("_n")
-    else:  # a stage: its elements' ids are unique by construction (``steps.dedup.by_id``), no shuffle by id
-        firsts = good
+    first = Window.partitionBy("id").orderBy("arrival_time", "file_rank", "pos")
+    firsts = good.withColumn("_n", F.row_number().over(first)).where("_n = 1").drop("_n")
     accepted = firsts
-    if seen is not None and by_id(job):
+    if seen is not None:
         # the batch's event-time range joined in the plan (a one-row broadcast), not collected first
         bounds = firsts.agg(F.min("event_time").alias("_lo"), F.max("event_time").alias("_hi"))
         known = (seen.select("id", F.unix_micros("event_time").alias("_et")).crossJoin(F.broadcast(bounds))
@@ -145,6 +140,18 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
     counts = {"input": totals["rows"] + len(held), "accepted": kept["n"], "duplicates": good_n - kept["n"],
               "quarantined": totals["bad"] + len(held)}
     return bad, accepted, counts, kept["max_et"], rows
+
+
+def stage_elements(spark, rows):
+    """``read_and_dedup``'s result for a stage's elements (``spark_upstream.stage_input``): every one accepted
+    (their ids are unique by construction, ``steps.dedup.by_id``; a pane row is never malformed), kept once and
+    counted by the job that keeps them: no cache of the rows besides, no shuffle by id."""
+    from pyspark.sql import functions as F
+
+    accepted = keep(spark, rows.select("id", "key", "value", "event_time", "arrival_time"))
+    tally = accepted.agg(F.count(F.lit(1)).alias("n"), F.max("event_time").alias("max_et")).collect()[0]
+    counts = {"input": tally["n"], "accepted": tally["n"], "duplicates": 0, "quarantined": 0}
+    return rows.where(F.lit(False)), accepted, counts, tally["max_et"], accepted
 
 
 def delays(accepted) -> list[int]:
@@ -184,7 +191,15 @@ def compute(job: BatchContext, clock: BatchClock, accepted, state, partitions: i
     spec_json = json.dumps(job.spec.raw, sort_keys=True, default=str)
     return keep(job.spark, per_key_step(spec_json, clock, accepted, state, job.spec.value_type,
                                         job.spec.pane_value_type, job.spec.mode.value == "discarding",
-                                        job.settings.columnar_windows, partitions), now=now)
+                                        job.settings.columnar_windows, key_tasks(job, partitions)), now=now)
+
+
+def key_tasks(job: BatchContext, partitions: int) -> int:
+    """The per-key step's tasks. A stage that puts every upstream pane under one key (``key: all``) has one
+    key, which one task runs whatever the width: one task, and no sampling job for key ranges that could not
+    split it. (The tables do not depend on the number of tasks.)"""
+    up = job.spec.upstream
+    return 1 if up is not None and up.key != "keep" else partitions
 
 
 def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes, versions: dict[str, Any],
