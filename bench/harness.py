@@ -245,6 +245,9 @@ class Plan:
     engines_agree_events: int = 100_000
     #: `stage_1m_rows_*` (``bench.stage_scale``): about this many upstream pane rows in the stage's batch (0 = skip)
     stage_scale_rows: int = 1_000_000
+    #: ... each side run this many times over the same upstream (ours: a fresh stage each time), alternating;
+    #: the best of each is recorded (one run of either side swung by 1.4x between runs on a quiet box)
+    stage_scale_runs: int = 3
     #: `airflow_dag_run_1k_s`: starts a private Airflow (~1 minute), so only with --airflow or --full
     airflow: bool = False
     airflow_events: int = 1_000
@@ -285,7 +288,8 @@ PLANS = {
                   validation_events=10_000, long_history_batches=60, flink_events=50_000,
                   spark_engine_events=50_000, spark_tiny_runs=4, spark_validation_events=10_000,
                   spark_validation_runs=1, spark_over_time_repeats=1, spark_stream_events=50_000,
-                  spark_stream_batches=4, engines_agree_events=5_000, stage_scale_rows=20_000),
+                  spark_stream_batches=4, engines_agree_events=5_000, stage_scale_rows=20_000,
+                  stage_scale_runs=1),
     "default": Plan("default"),
     "full": Plan("full", session_sizes=(10_000, 100_000, 1_000_000, 10_000_000), airflow=True,
                  spark_engine_big_events=10_000_000, lake_bytes_batches=2_000),
