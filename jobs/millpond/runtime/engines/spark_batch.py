@@ -100,7 +100,7 @@ def batch_partitions(settings: Settings, rows: int) -> int:
 def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time: int, w_in: int, seen,
                    partitions: int):
     """(the quarantined rows, the accepted elements, counts, max event time, the cached parsed rows): parsed on
-    executors (in at most ``partitions`` tasks; a stage's upstream panes, ``spark_upstream``), first of each id
+    executors (in at most ``partitions`` tasks; a stage's elements: ``stage_elements``), first of each id
     by (arrival, file, line), ids seen by earlier batches (``seen``, the ``seen_ids`` snapshot, or None) dropped
     when their event time is within the batch's range, as on the local engine. Only counts come back."""
     from pyspark.sql import Window
@@ -244,10 +244,9 @@ def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes
         if tally.get(f"{table}:", 0) or (table == "quarantine" and quarantined) or tally.get(f"{table}:value") \
                 or tally.get(f"{table}:retraction"):
             writes.append(append_write(job, txn, table, df, schema))
-    if accepted_rows and keep_from is None and by_id(job):
-        writes.append(append_write(job, txn, "seen_ids", own, SEEN_SCHEMA))
-    elif accepted_rows and by_id(job):
-        writes.append(rewrite_seen(job, txn, seen, own, values, versions["seen_ids"], partitions))
+    if accepted_rows and by_id(job):
+        writes.append(append_write(job, txn, "seen_ids", own, SEEN_SCHEMA) if keep_from is None
+                      else rewrite_seen(job, txn, seen, own, values, versions["seen_ids"], partitions))
     if state_changes:
         writes.append(_rewrite_windows(job, txn, values, out, stored_files, stored, partitions, state_changes))
     if touched:
@@ -410,7 +409,8 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], rows: i
                   ) -> tuple[dict[str, int], BatchClock, int | None]:
     from millpond.runtime.steps.watermark import clock_for
 
-    version, seen_version = the_plan["versions"].get("windows"), the_plan["versions"].get("seen_ids")
+    version = the_plan["versions"].get("windows")
+    seen_version = the_plan["versions"].get("seen_ids") if by_id(job) else None  # a stage's: none to read
     partitions = batch_partitions(job.settings, rows)
     job.spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
     seen = None if seen_version is None else spark_io.read_table(job.spark, job.tables, job.name, "seen_ids",

@@ -40,6 +40,7 @@ def seen_keep_from(job: BatchContext, w_in: int, seen_version: int | None) -> in
     files = job.tables.file_count(job.name, "seen_ids", version=seen_version)
     return w_in - horizon if files > SEEN_FOLD_OVER_FILES else None
 
+
 def by_id(job: BatchContext) -> bool:
     """Whether the batch's elements are deduplicated by id (and their ids kept in ``seen_ids``). A landing
     batch's are: a source may deliver an event twice. A stage's are not: it consumes its upstreams' panes by
