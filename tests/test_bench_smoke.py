@@ -96,7 +96,7 @@ def test_bench_spark_engine_smoke(settings, tmp_path) -> None:
     plan = replace(SMOKE, spark_engine_events=2_000, spark_engine_runs=1, spark_tiny_runs=2,
                    spark_tiny_bare_runs=1, spark_validation_events=2_000, spark_validation_runs=1,
                    spark_stream_events=2_000, spark_stream_batches=2, engines_agree_events=300,
-                   stage_scale_rows=2_000)
+                   stage_scale_rows=2_000, stage_scale_runs=1)
     doc = run_bench(settings, plan, None, tmp_path, log=lambda m: None,
                     steps=["measure_spark_engine_sessions", "measure_spark_engine_tiny",
                            "measure_spark_engine_validation", "measure_state_scale",
@@ -131,6 +131,7 @@ def test_bench_spark_engine_smoke(settings, tmp_path) -> None:
     assert agree["ours"] == 0 and agree["met"] and set(agree["scenarios"]) == {"fig14", "sessions_300"}, agree
     stage = records["stage_1m_rows_spark_engine_vs_bare_spark"]  # a stage batch over ~2k upstream pane rows
     assert stage["ours"] > 0 and stage["peer"] > 0 and stage["rows"] > 1_000 and stage["peer_rows"] > 1_000, stage
+    assert stage["runs"] == [stage["ours"]] and stage["peer_runs"] == [stage["peer"]], stage
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if "SparkConnectServer" in " ".join(p.info["cmdline"] or []) and str(tmp_path) in
                 " ".join(p.info["cmdline"] or [])]  # the bench stopped its server
