@@ -409,8 +409,7 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], rows: i
                   ) -> tuple[dict[str, int], BatchClock, int | None]:
     from millpond.runtime.steps.watermark import clock_for
 
-    version = the_plan["versions"].get("windows")
-    seen_version = the_plan["versions"].get("seen_ids") if by_id(job) else None  # a stage's: none to read
+    version, seen_version = the_plan["versions"].get("windows"), the_plan["versions"].get("seen_ids")
     partitions = batch_partitions(job.settings, rows)
     job.spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
     seen = None if seen_version is None else spark_io.read_table(job.spark, job.tables, job.name, "seen_ids",

@@ -19,6 +19,7 @@ from millpond.model.panes import TS
 from millpond.model.timeutil import iso, to_us
 from millpond.runtime.assembly import ts_array
 from millpond.runtime.commits import concurrently
+from millpond.runtime.steps import dedup
 from millpond.runtime.steps.upstream import plan_upstreams, upstream_marks
 from millpond.runtime.upkeep import maintain, retention_of, upkeep_turns
 
@@ -149,7 +150,8 @@ def plan_batch(job: BatchContext, batch: int, txn: Txn, found: dict[str, Any], p
     job.commits.absent = ({n for n, v in json.loads(prev["versions"] or "{}").items() if v is None} if prev
                           else set(job.output_tables) - {"ingest_log"})
     files, oldest_pending, skipped = pending_files(found["landing"], found["log"], processing_time)
-    versions = {name: found[f"version:{name}"] for name in job.state_tables}
+    # a stage keeps no seen_ids (``dedup.by_id``): its plan pins none, so no engine reads one
+    versions = {name: found[f"version:{name}"] for name in job.state_tables if name != "seen_ids" or dedup.by_id(job)}
     versions["oldest_pending"] = oldest_pending
     versions["explicit_watermark"] = explicit_watermark
     if job.spec.upstream is not None:
