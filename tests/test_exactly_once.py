@@ -100,6 +100,8 @@ r.run_batch = run_batch
 r.replay(settings, r.load_scenario_pipeline(pipeline, name), r.read_events(events), spark=spark,
          log=lambda line: print(line, flush=True))
 print("finished", flush=True)
+import os  # exit as the CLI does (millpond/__main__.py): native runtimes can abort in their destructors at teardown
+os._exit(0)
 """
 #: where in batch 3 a kill comes: a seeded delay after its progress log says one of these (its reads and dedup;
 #: its per-key step and writes: on Spark both are Spark jobs; its Delta commits)
