@@ -216,3 +216,37 @@ def test_a_retry_at_another_processing_time_redoes_the_planned_batch(settings, t
              if r["kind"] == "value"}
     assert current <= panes
     assert_like_a_fresh_run(settings, tables, name, files, spec(fresh), range(1, 6))
+
+
+def test_a_run_of_a_reprocess_done_again_after_later_runs_rewinds_nothing(settings, tables, pipeline_name) -> None:
+    """A reprocess rewinds once. Each of its runs rewinds first if it finds later batches (the DAG task's
+    preamble); a run done again after later runs of the same reprocess committed (Airflow retrying a run it
+    marked failed after its batch committed, a run cleared in the UI) used to rewind their batches away, and
+    their files waited for the next live run. Now the runs carry the reprocess's name and find its rewind
+    recorded: the run again rewinds nothing and skips its committed batch; a new reprocess still rewinds."""
+    name, fresh = pipeline_name, f"{pipeline_name}_fresh"
+    files = events(11, 0, 6)
+    land(settings, name, files, "a")
+    run(settings, spec(name), range(1, 7))
+
+    def dag_run(minute: int, rid: str):
+        """What a reprocess's DAG run does: rewind (once per reprocess), then its batch."""
+        rewind.run(settings, tables, spec(name), T0 + (minute - 1) * MINUTE, by=f"run {minute}", reprocess=rid)
+        return run_batch(settings, spec(name), to_datetime(T0 + minute * MINUTE))
+
+    r = rewind.run(settings, tables, spec(name), T0 + 2 * MINUTE, by="backfill", reprocess="first")
+    assert (r.to_batch, r.last_batch) == (2, 6)
+    for minute in range(3, 7):
+        assert not dag_run(minute, "first").skipped
+    again = dag_run(4, "first")  # after batches 5 and 6 of the same reprocess committed
+    assert again.skipped and again.reason == "already committed", again.summary()
+    assert [b["batch"] for b in tables.read_arrow(name, "batches").sort_by("batch").to_pylist()] == [1, 2, 3, 4, 5, 6]
+    assert_like_a_fresh_run(settings, tables, name, files, spec(fresh), range(1, 7))
+    rows = [o for o in tables.read_arrow(name, "operations").to_pylist() if o["operation"] == "reprocess"]
+    assert [json.loads(o["detail"])["id"] for o in rows] == ["first"]
+    # another reprocess is another rewind; its own runs then rewind nothing, in any order
+    assert not rewind.run(settings, tables, spec(name), T0 + 4 * MINUTE, by="backfill", reprocess="second").noop
+    for minute in (6, 5, 6):
+        dag_run(minute, "second")
+    assert [b["processing_time"] for b in tables.read_arrow(name, "batches").sort_by("batch").to_pylist()][-1] == \
+        to_datetime(T0 + 6 * MINUTE)

@@ -254,21 +254,25 @@ class Backfill:
     def rewind(self, echo=print) -> None:
         """For a reprocess: rewind the pipeline's tables to the last batch at or before FROM (new Delta
         commits, ``runtime.rewind``), and reach on to the last committed batch, so the pipeline ends where it
-        was, recomputed. The runs carry ``reprocess`` so a run that still finds later batches rewinds too."""
+        was, recomputed. The runs carry the reprocess's name (``reprocess_id``): a reprocess rewinds once, so a
+        run done again after later runs of it committed (a retry, a cleared run) rewinds nothing and skips."""
         from millpond.lake.tables import Tables
         from millpond.model.timeutil import iso, to_datetime, to_us
         from millpond.orchestration.dagfactory import load_spec
         from millpond.runtime import rewind
 
         settings = self.stack.settings
+        # the reprocess's name, which its runs carry: they find its rewind recorded and rewind nothing again
+        reprocess_id = f"{self.dag_id} from {_iso(self.start)} at {datetime.now(UTC).isoformat()}"
         r = rewind.run(settings, Tables(settings), load_spec(settings, self.info.name), to_us(self.start),
-                       by=f"backfill of {self.dag_id} from {_iso(self.start)}")
+                       by=f"backfill of {self.dag_id} from {_iso(self.start)}", reprocess=reprocess_id)
         if not r.noop:
             echo(f"{self.info.name}: rewound to batch {r.to_batch or 0} "
                  f"({iso(r.to_time) if r.to_time else 'before the first batch'}); the old results stay in the "
                  f"tables' history; reprocessing to {iso(r.last_time)}")
         self.end = max(self.end, align(self.start, to_datetime(r.last_time), self.info.batch_interval)[1])
         self.conf["reprocess"] = True
+        self.conf["reprocess_id"] = reprocess_id
 
     def run(self, wait: bool = True, timeout: float = 3600.0, echo=print) -> dict[str, str]:
         if not any(self.stack.pids().values()):

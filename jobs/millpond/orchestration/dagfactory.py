@@ -16,10 +16,9 @@ pages are rendered after its commit, with the upload: rendering checks nothing).
 cost a process start, its imports and the scheduler's latency, several times what a small batch takes,
 and the extra tasks only passed XComs along. Folded into one, the run does the same steps in the same
 order in one process. A Data Docs upload that fails after the commit is a warning, not a failed task:
-a retry would redo the run's preamble (a reprocess run would rewind its own new batch and compute it
-again) only to upload a few pages, and would hold back the Assets' events the stages downstream wait
-for; the upload is by manifest, so the next run's publish (or ``millpond docs --no-serve --publish``)
-sends what this one missed.
+a retry would redo the run's preamble only to upload a few pages, and would hold back the Assets' events
+the stages downstream wait for; the upload is by manifest, so the next run's publish (or
+``millpond docs --no-serve --publish``) sends what this one missed.
 """
 
 from __future__ import annotations
@@ -349,8 +348,10 @@ def _batch(info: PipelineInfo, s: Settings, context: dict[str, Any], start: date
     from millpond.runtime import catchup, rewind
 
     if _truthy(conf.get("reprocess", params.get("reprocess"))):
+        # a reprocess rewinds once (``millpond backfill --reprocess`` names it): a run done again after later
+        # runs of it committed finds the rewind recorded and its batch committed, and rewinds nothing
         rewound = rewind.run(s, Tables(s), load_spec(s, name), to_us(start),
-                             by=f"{info.dag_id} run {getattr(run, 'run_id', None)}")
+                             by=f"{info.dag_id} run {getattr(run, 'run_id', None)}", reprocess=conf.get("reprocess_id"))
         if not rewound.noop:
             log.info("reprocess: %s rewound to batch %s (its later batches are in the tables' history)",
                      name, rewound.to_batch or 0)

@@ -27,6 +27,14 @@ def record(tables: Tables, pipeline: str, operation: str, by: str, detail: dict[
     tables.append(pipeline, "operations", row)
 
 
+def recorded(tables: Tables, pipeline: str, operation: str, op_id: str) -> bool:
+    """Whether an ``operation`` row with this id (its detail's ``id``) is in the pipeline's operations."""
+    if not tables.exists(pipeline, "operations"):
+        return False
+    ops = tables.read_arrow(pipeline, "operations", schema=OPERATIONS_SCHEMA).to_pylist()
+    return any(o["operation"] == operation and json.loads(o["detail"] or "{}").get("id") == op_id for o in ops)
+
+
 def hold_live_runs(settings: Settings, tables: Tables, pipeline: str, until: int, batches: int, by: str) -> None:
     """While a backfill catches up to ``until`` (µs), the pipeline's live runs wait (``catching_up``): a live
     run in between would take the files of the intervals still to do in one batch, and the backfill's runs

@@ -30,7 +30,7 @@ from millpond.lake.tables import Tables
 from millpond.model.spec import PipelineSpec
 from millpond.model.timeutil import iso, to_us
 from millpond.model.versions import changes
-from millpond.runtime.catchup import record
+from millpond.runtime.catchup import record, recorded
 from millpond.runtime.steps.versions import spec_record
 from millpond.runtime.upkeep import beyond_retention
 
@@ -109,16 +109,27 @@ def plan(tables: Tables, spec: PipelineSpec, start: int) -> Rewind:
     return r
 
 
-def run(settings: Settings, tables: Tables, spec: PipelineSpec, start: int, by: str) -> Rewind:
-    """Rewind ``spec``'s tables for a reprocess from ``start`` (µs), under the pipeline's lease; record it."""
+def run(settings: Settings, tables: Tables, spec: PipelineSpec, start: int, by: str,
+        reprocess: str | None = None) -> Rewind:
+    """Rewind ``spec``'s tables for a reprocess from ``start`` (µs), under the pipeline's lease; record it.
+
+    ``reprocess`` names the reprocess the rewind belongs to: a reprocess rewinds once. Its runs carry the
+    name, find the rewind recorded and rewind nothing, so a run done again after later runs of the same
+    reprocess committed (an Airflow retry of a run marked failed after its batch committed, a run cleared in
+    the UI) cannot rewind their batches away: it finds its own batch committed, or a later one, and skips."""
     name = spec.name
     lease = Lease.acquire(settings, name, owner=f"rewind/{name}", ttl_s=HOLD_S, wait=True)
     try:
+        if reprocess and recorded(tables, name, "reprocess", reprocess):
+            lease.release()
+            return Rewind(name, None, None, 0, 0)
         r = plan(tables, spec, start)
     except BaseException:  # refused before anything moved: the pipeline goes on as it was
         lease.release()
         raise
     if r.noop:
+        if reprocess:  # nothing to rewind now: neither is there for its runs later
+            record(tables, name, "reprocess", by, {"id": reprocess, "from": iso(start), "noop": True})
         lease.release()
         return r
     # every table's commit carries the rewind's fence: a zombie batch still writing is refused from here on
@@ -136,7 +147,7 @@ def run(settings: Settings, tables: Tables, spec: PipelineSpec, start: int, by: 
     deadline = datetime.now(UTC).timestamp() + redo * settings.airflow_task_timeout_s
     detail = {"from": iso(start), "to_batch": r.to_batch, "to_time": iso(r.to_time) if r.to_time else None,
               "last_batch": r.last_batch, "last_time": iso(r.last_time), "epoch": txn.version, "tables": r.targets,
-              "deadline": iso(int(deadline * 1_000_000))}
+              "deadline": iso(int(deadline * 1_000_000))} | ({"id": reprocess} if reprocess else {})
     record(tables, name, "reprocess", by, detail)
     lease.release()
     return r

@@ -115,7 +115,8 @@ def operations(settings: Settings, pipeline: str) -> pa.Table:
     for o in ops:
         d = json.loads(o["detail"] or "{}")
         rows.append({"at": o["at"], "operation": o["operation"], "by": o["by"], "from": d.get("from"),
-                     "rewound_to_batch": (d.get("to_batch") or 0) if o["operation"] == "reprocess" else None,
+                     "rewound_to_batch": (d.get("to_batch") or 0) if o["operation"] == "reprocess" and not d.get("noop")
+                     else None,
                      "was_at_batch": d.get("last_batch")})
     schema = pa.schema([("at", OPERATIONS_SCHEMA.field("at").type), ("operation", pa.string()), ("by", pa.string()),
                         ("from", pa.string()), ("rewound_to_batch", pa.int64()), ("was_at_batch", pa.int64())])
