@@ -243,6 +243,9 @@ class Plan:
     lake_bytes_pace_s: float = 1.0
     #: `tables_identical_across_engines` (``bench.engines_agree``): the sessions workload's events (0 = skip)
     engines_agree_events: int = 100_000
+    #: ... and the Figure 14 scenario beside it (off in the test suite's smoke run, whose
+    #: ``tests/test_conformance_paper.py`` runs Figure 14 on every engine already)
+    engines_agree_fig14: bool = True
     #: `stage_1m_rows_*` (``bench.stage_scale``): about this many upstream pane rows in the stage's batch (0 = skip)
     stage_scale_rows: int = 1_000_000
     #: ... each side run this many times over the same upstream (ours: a fresh stage each time), alternating;

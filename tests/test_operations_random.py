@@ -44,7 +44,7 @@ T0 = to_us("2026-04-01T00:00:00Z")
 MINUTE = 60 * US
 HOUR = 60 * MINUTE
 SEEDS = [int(s) for s in os.environ.get("MILLPOND_OPS_SEEDS", "1,2").split(",") if s.strip()]
-STEPS = int(os.environ.get("MILLPOND_OPS_STEPS", "80"))
+STEPS = int(os.environ.get("MILLPOND_OPS_STEPS", "60"))
 #: the commits a batch makes, any of which a failure may follow
 COMMIT_STEPS = ("ingest_log", "quarantine", "seen_ids", "late", "panes", "current", "windows")
 
