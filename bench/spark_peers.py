@@ -78,15 +78,23 @@ class SparkPeerMeasures:
         self.local_copy(wl)
         self.log(f"Spark engine vs Structured Streaming: {wl.input_events} events in {nb} micro-batches, "
                  f"{wl.spec.keys} keys, sessions, same Connect server")
-        ss = self.structured_streaming_on_connect(wl)
-        self.log(f"  Structured Streaming {ss['seconds']}s (per batch "
-                 + " ".join(f"{b['seconds']:.2f}" for b in ss["batches"]) + "; of which triggers "
-                 + " ".join(f"{b['triggers_s']:.2f}" for b in ss["batches"])
-                 + f"; {ss['rows_written']} sessions written)")
-        ours = self.engine_as_tasks(wl, list(range(nb)), self._doc("sessions", wl))
+        # each side's whole sequence ``spark_stream_runs`` times, alternating; the best sequence of each counts
+        ss_runs, ours_runs = [], []
+        for _ in range(max(1, self.plan.spark_stream_runs)):
+            ss = self.structured_streaming_on_connect(wl)
+            self.log(f"  Structured Streaming {ss['seconds']}s (per batch "
+                     + " ".join(f"{b['seconds']:.2f}" for b in ss["batches"]) + "; of which triggers "
+                     + " ".join(f"{b['triggers_s']:.2f}" for b in ss["batches"])
+                     + f"; {ss['rows_written']} sessions written)")
+            ours = self.engine_as_tasks(wl, list(range(nb)), self._doc("sessions", wl))
+            self.log(f"  ours {sum(b['task_s'] for b in ours):.2f}s as {nb} tasks (per task "
+                     + " ".join(f"{b['task_s']:.2f}" for b in ours)
+                     + f"; run_batch {sum(b['batch_s'] for b in ours):.2f}s)")
+            ss_runs.append(ss)
+            ours_runs.append(ours)
+        ss = min(ss_runs, key=lambda r: r["seconds"])
+        ours = min(ours_runs, key=lambda r: sum(b["task_s"] for b in r))
         seconds = round(sum(b["task_s"] for b in ours), 4)
-        self.log(f"  ours {seconds}s as {nb} tasks (per task " + " ".join(f"{b['task_s']:.2f}" for b in ours)
-                 + f"; run_batch {sum(b['batch_s'] for b in ours):.2f}s)")
         counts: dict[str, int] = {}
         for b in ours:
             for k, v in b["counts"].items():
@@ -112,7 +120,10 @@ class SparkPeerMeasures:
             peer_trigger_seconds=[b["triggers_s"] for b in ss["batches"]],
             peer_startup_s=ss["startup_s"], peer_connect_s=ss["connect_s"], phases=phases, counts=counts,
             peer_sessions_written=ss["rows_written"],
-            notes="ours: each batch a fresh Connect client preloaded as a DAG task's process, spawn -> marker (less "
+            ours_runs_seconds=[round(sum(b["task_s"] for b in r), 4) for r in ours_runs],
+            peer_runs_seconds=[r["seconds"] for r in ss_runs],
+            notes="best of each side's sequences, run alternating; ours: each batch a fresh Connect client "
+                  "preloaded as a DAG task's process, spawn -> marker (less "
                   "preload_s), summed; early panes (AfterDelay 1m), late panes (AtCount 1) and retractions "
                   "(accumulating_and_retracting) on. Peer: one client (its start and connect not counted), the first "
                   "batch's landing -> the last run's end; append mode emits each session once, when the watermark "

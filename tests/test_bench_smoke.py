@@ -95,7 +95,7 @@ def test_bench_spark_engine_smoke(settings, tmp_path) -> None:
     Batches and peers run in Connect clients of their own (no classic session in this process's way)."""
     plan = replace(SMOKE, spark_engine_events=2_000, spark_engine_runs=1, spark_tiny_runs=2,
                    spark_tiny_bare_runs=1, spark_validation_events=2_000, spark_validation_runs=1,
-                   spark_stream_events=2_000, spark_stream_batches=2, engines_agree_events=300,
+                   spark_stream_events=2_000, spark_stream_batches=2, spark_stream_runs=1, engines_agree_events=300,
                    stage_scale_rows=2_000, stage_scale_runs=1, engines_agree_fig14=False)
     doc = run_bench(settings, plan, None, tmp_path, log=lambda m: None,
                     steps=["measure_spark_engine_sessions", "measure_spark_engine_tiny",
@@ -126,6 +126,8 @@ def test_bench_spark_engine_smoke(settings, tmp_path) -> None:
     assert stream["ours"] > 0 and stream["peer"] > 0 and isinstance(stream["met"], bool)
     assert len(stream["ours_task_seconds"]) == 2 and stream["counts"]["input"] == 2_020
     assert len(stream["peer_batch_seconds"]) == 2 and len(stream["peer_trigger_seconds"]) == 2
+    assert stream["ours_runs_seconds"] == [stream["ours_seconds"]] and stream["peer_runs_seconds"] == [
+        stream["peer_seconds"]], stream
     # the same tables from both Spark strategies and the local engine (300 sessions events; Figure 14 on every
     # engine is tests/test_conformance_paper.py's)
     agree = records["tables_identical_across_engines"]
