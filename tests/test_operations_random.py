@@ -4,7 +4,9 @@ sessions and two stages (hourly totals of it, and totals of those), checked afte
 The operations: files landed on time, late, re-delivered or poisoned; upstream batches at their scheduled
 times, failing after a random commit and retried at the same time, at another time or by the next scheduled
 run; stage batches at random times behind their upstreams; reprocesses of the upstream from random points
-with late files landed into the past range; resets of the stages. After every step:
+with late files landed into the past range, whose runs rewind as the DAG task does (once per reprocess), and a
+run of the last reprocess done again after later ones committed (it must skip); resets of the stages. After
+every step:
 
 - nothing is blocked: every run that no failure was injected into succeeds;
 - the upstream's tables at its last marker's versions hold whole batches (each batch's panes as its marker
@@ -124,6 +126,7 @@ class World:
         self.n = 0
         self.readers: dict[str, ChangeFeedReader] = {}
         self.log: list[str] = []
+        self.reprocessed: tuple[str, int] | None = None  # the last reprocess's name and first redone minute
 
     # operations
     def land(self, arrival: int, late_into_past: bool = False) -> None:
@@ -209,6 +212,8 @@ class World:
             start = rnd.randint(0, self.minute - 1)
             self.land(T0 + start * MINUTE + rnd.randrange(1, 59) * US, late_into_past=True)
             self.reprocess(start)
+        elif choice < 0.97 and self.reprocessed and self.pending is None:
+            self.again()
         elif choice >= 0.97:
             self.log.append("reset both stages")
             for stage in (self.s2, self.s1):
@@ -219,9 +224,26 @@ class World:
     def reprocess(self, start: int) -> None:
         """``millpond backfill --reprocess`` from ``start``: the rewind, then the batches to where it was."""
         self.log.append(f"reprocess up from minute {start}")
-        rewind.run(self.settings, self.tables, self.up, T0 + start * MINUTE, by="test")
+        name = f"reprocess {len(self.log)}"
+        rewind.run(self.settings, self.tables, self.up, T0 + start * MINUTE, by="test", reprocess=name)
         for m in range(max(start, 0) + 1, self.minute + 1):
+            # each run as the DAG task does it: the reprocess's rewind (done once: nothing here), then its batch
+            rewind.run(self.settings, self.tables, self.up, T0 + (m - 1) * MINUTE, by="test", reprocess=name)
             self.run(self.up, T0 + m * MINUTE)
+        if start < self.minute:
+            self.reprocessed = (name, start + 1)
+            if self.rng.random() < 0.5:
+                self.again()
+
+    def again(self) -> None:
+        """A run of the last reprocess done again (an Airflow retry, a cleared run) after later runs committed:
+        the reprocess's rewind is recorded, so it rewinds nothing and skips."""
+        name, first = self.reprocessed
+        m = self.rng.randint(first, self.minute)
+        self.log.append(f"reprocess run of minute {m} again")
+        rewind.run(self.settings, self.tables, self.up, T0 + (m - 1) * MINUTE, by="test", reprocess=name)
+        result = self.run(self.up, T0 + m * MINUTE)
+        assert result.skipped, result.summary()  # its batch, or a later one, is committed: nothing rewound
 
     # invariants
     def check(self) -> None:
