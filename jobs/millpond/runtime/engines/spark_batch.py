@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from millpond.config import Settings
-from millpond.lake import spark_io
+from millpond.lake import spark_io, spark_ranged
 from millpond.lake.file_commits import commit_files, live_files
 from millpond.lake.schemas import (
     CURRENT_PARTITIONS,
@@ -38,7 +38,7 @@ from millpond.model.panes import pane_schema
 from millpond.model.state import WINDOWS_SCHEMA
 from millpond.runtime.engines.base import BatchWork
 from millpond.runtime.engines.spark_keys import per_key_step
-from millpond.runtime.engines.spark_state import StateFiles, ranged, state_files
+from millpond.runtime.engines.spark_state import FILE_ROWS, StateFiles, ranged, state_files
 from millpond.runtime.engines.spark_values import batch_values, with_values
 from millpond.runtime.engines.spark_watchdog import watched
 from millpond.runtime.steps.dedup import by_id, seen_keep_from
@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 
 #: rows one task of a batch's shuffles takes (the per-key step's partitions)
 ROWS_PER_TASK = 250_000
+#: a stored window's key in ``windows`` (its MERGE key, and the order within a file)
+WINDOW_KEY = ("key", "window_start", "window_end")
 
 
 def ts_column(column: str):
@@ -160,28 +162,18 @@ def delays(accepted) -> list[int]:
     return [r[0] for r in accepted.selectExpr("arrival_time - event_time").orderBy(1).collect()]
 
 
-def stored_windows(job: BatchContext, stored, accepted, values):
-    """The stored windows this batch can change (due timers, or reachable by a new element of its key),
-    with times as microseconds, read on executors; ``stored``: the ``windows`` table at the plan's version;
-    ``values``: the batch's clock (``spark_values``: ``_watermark``, ``_processing_time``)."""
+def stored_windows(job: BatchContext, files: StateFiles | None, accepted, clock: BatchClock):
+    """The stored windows this batch can change (due timers, or reachable by a new element of its key), with
+    times as microseconds: only those rows of the ``windows`` files the batch reads (``files``), read and
+    filtered file by file on executors (``lake.spark_ranged.read_touched``); None without any."""
     from pyspark.sql import functions as F
 
-    if stored is None:
+    if files is None or not files.files:
         return None
-    windows = stored.select(
-        "key", F.unix_micros("window_start").alias("window_start"), F.unix_micros("window_end").alias("window_end"),
-        "state", F.unix_micros("event_timer").alias("event_timer"), F.unix_micros("ptime_timer").alias("ptime_timer"))
-    due = (F.coalesce(F.col("event_timer") <= F.col("_watermark"), F.lit(False))
-           | F.coalesce(F.col("ptime_timer") <= F.col("_processing_time"), F.lit(False)))
     ranges = accepted.groupBy("key").agg(F.min("event_time").alias("lo"), F.max("event_time").alias("hi"))
-    reach = job.strategy.window_fn.reach()
-    joined = with_values(windows.join(ranges, "key", "left"), values)
-    if reach is None:
-        near = F.col("lo").isNotNull()
-    else:
-        near = (F.col("window_end") >= F.col("lo")) & (F.col("window_start") <= F.col("hi") + F.lit(reach))
-    return joined.where(due | F.coalesce(near, F.lit(False))).select(
-        "key", "window_start", "window_end", "state", "event_timer", "ptime_timer")
+    return spark_ranged.read_touched(job.spark, ranges, files.files, job.settings, WINDOWS_SCHEMA, clock.watermark,
+                                     clock.processing_time, job.strategy.window_fn.reach(),
+                                     job.settings.spark_shuffle_partitions)
 
 
 def compute(job: BatchContext, clock: BatchClock, accepted, state, partitions: int, now: bool = False):
@@ -203,11 +195,11 @@ def key_tasks(job: BatchContext, partitions: int) -> int:
 
 
 def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes, versions: dict[str, Any],
-                  stored, seen, partitions: int, keep_from: int | None, quarantined: int,
+                  seen, partitions: int, keep_from: int | None, quarantined: int,
                   accepted_rows: int, stored_files: StateFiles | None = None) -> dict[str, int]:
     """Every output table's files from the executors in one Spark job, each table one commit; counts for the
-    marker. ``values``: the batch's (``spark_values``: ``_batch``, ``_keep_from``); ``stored``: the ``windows``
-    files the batch read at ``versions["windows"]`` (None without one), ``stored_files`` which (``spark_state``);
+    marker. ``values``: the batch's (``spark_values``: ``_batch``, ``_keep_from``); ``stored_files``: the
+    ``windows`` files the batch read at ``versions["windows"]`` (None without one, ``spark_state``);
     ``seen``: the ``seen_ids`` table at
     ``versions["seen_ids"]`` (None without one); ``keep_from``: as ``steps.dedup.seen_keep_from``;
     ``quarantined``: ``bad``'s rows (none: no quarantine write, whose tasks would only scan the landing rows for
@@ -248,7 +240,7 @@ def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes
         writes.append(append_write(job, txn, "seen_ids", own, SEEN_SCHEMA) if keep_from is None
                       else rewrite_seen(job, txn, seen, own, values, versions["seen_ids"], partitions))
     if state_changes:
-        writes.append(_rewrite_windows(job, txn, values, out, stored_files, stored, partitions, state_changes))
+        writes.append(_rewrite_windows(job, txn, values, out, stored_files, partitions, state_changes))
     if touched:
         writes.append(_rewrite_current(job, txn, values, out, touched, partitions))
     # the Spark job runs now, on this thread; the Delta commits wait with the batch's others, in this order
@@ -318,33 +310,33 @@ def rewrite_seen(job: BatchContext, txn: Txn, seen, own, values, version: int, p
                                                          removes=removes)
 
 
-def _rewrite_windows(job: BatchContext, txn: Txn, values, out, files: StateFiles | None, stored,
-                     partitions: int, changes_n: int) -> Write:
-    """``windows`` copy-on-write: the rows of the files the batch read (``files``, ``stored``) not changed by
-    it, plus its upserts, replace those files (the local engine's MERGE, on executors), written as ranges of
-    keys (``spark_state.ranged``); the table's other files stay. ``changes_n``: the upserts and deletes."""
+def _rewrite_windows(job: BatchContext, txn: Txn, values, out, files: StateFiles | None, partitions: int,
+                     changes_n: int) -> Write:
+    """``windows`` copy-on-write (the local engine's MERGE, on executors). With stored files the batch read
+    (``files``), each of them a changed window may be in is replaced file by file in Arrow, without its rows
+    passing through Spark (``lake.spark_ranged``); the others stay. Without, the upserts are written as ranges
+    of keys (``spark_state.ranged``). ``changes_n``: the upserts and deletes."""
     from pyspark.sql import functions as F
 
-    changes = out.where("tbl = 'state'").select(
-        "key", "window_start", "window_end", "state", "event_timer", "ptime_timer", "deleted")
-    new = with_values(changes.where("NOT deleted"), values).select(
+    changes = with_values(out.where("tbl = 'state'"), values).select(
         "key", ts_column("window_start"), ts_column("window_end"), "state", ts_column("event_timer"),
-        ts_column("ptime_timer"), batch_column(), F.lit(False).alias("deleted"))
-    removes: list[dict] = []
-    if files is not None:
-        removes = files.removes
-        old_keys = stored.select("*", F.unix_micros("window_start").alias("_s"),
-                                 F.unix_micros("window_end").alias("_e"))
-        changed = changes.select(F.col("key").alias("_k"), F.col("window_start").alias("_cs"),
-                                 F.col("window_end").alias("_ce"))
-        same = (F.col("key") == F.col("_k")) & (F.col("_s") == F.col("_cs")) & (F.col("_e") == F.col("_ce"))
-        unchanged = old_keys.join(changed, same, "left_anti").select(*WINDOWS_SCHEMA.names)
-        new = unchanged.unionByName(new)
-    rows = ranged(new, (files.rows if files else 0) + changes_n, partitions)
-    write = spark_io.write_files(rows, job.settings, "windows", job.settings.table_uri(job.name, "windows"))
+        ts_column("ptime_timer"), batch_column(), "deleted")
+    uri = job.settings.table_uri(job.name, "windows")
+    if files is not None and files.files:
+        write = spark_ranged.rewrite_files(
+            changes, files.files, job.settings, "windows", uri, WINDOWS_SCHEMA, WINDOW_KEY, WINDOW_KEY, FILE_ROWS,
+            job.settings.spark_shuffle_partitions)
+
+        def commit(actions: list[dict]) -> bool:
+            added, removes = spark_ranged.split_written(actions)
+            return commit_files(job.tables, job.name, "windows", added, WINDOWS_SCHEMA, txn, removes=removes,
+                                stats_columns=WINDOWS_STATS_COLUMNS)
+
+        return "windows", write, commit
+    new = changes.where("NOT deleted").withColumn("deleted", F.lit(False))
+    write = spark_io.write_files(ranged(new, changes_n, partitions), job.settings, "windows", uri)
     return "windows", write, lambda files: commit_files(
-        job.tables, job.name, "windows", files, WINDOWS_SCHEMA, txn, removes=removes,
-        stats_columns=WINDOWS_STATS_COLUMNS)
+        job.tables, job.name, "windows", files, WINDOWS_SCHEMA, txn, stats_columns=WINDOWS_STATS_COLUMNS)
 
 
 def _rewrite_current(job: BatchContext, txn: Txn, values, out, parts: set[tuple[str, str]],
@@ -423,13 +415,10 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], rows: i
     keep_from = seen_keep_from(job, w_in, seen_version)
     values = batch_values(job.spark, batch=clock.batch, processing_time=clock.processing_time,
                           watermark=clock.watermark, keep_from=keep_from)
-    # read once: the state's due and reachable windows, and the rewrite's unchanged ones
-    # only the files that can hold a window the batch may change (``spark_state``)
+    # only the files that can hold a window the batch may change (``spark_state``), and of those only the rows it
+    # can change (the rewrite reads the files it replaces itself, ``lake.spark_ranged``)
     stored_files = None if version is None else state_files(job, version, accepted, clock)
-    stored = None if stored_files is None else spark_io.read_table(job.spark, job.tables, job.name, "windows",
-                                                                   version, only=stored_files.read, tasks=partitions)
-    stored = None if stored is None else keep(job.spark, stored)
-    state = stored_windows(job, stored, accepted, values)
+    state = stored_windows(job, stored_files, accepted, clock)
     if state is not None:
         state = keep(job.spark, state)
     job.commits.plan_landed()
@@ -443,11 +432,11 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], rows: i
         validate_batch(job, clock, values, accepted, out, panes, lo)
         timer.lap("validation")
     job.commits.defer()
-    outputs = write_outputs(job, txn, values, bad, accepted, out, panes, the_plan["versions"], stored, seen,
+    outputs = write_outputs(job, txn, values, bad, accepted, out, panes, the_plan["versions"], seen,
                             partitions, keep_from, counts["quarantined"], counts["accepted"], stored_files)
     counts = {"files": len(the_plan["files"]), **counts, "late": 0, "panes": 0, "retractions": 0, **outputs}
     # a warm server keeps cached frames until told
-    for frame in (parsed, stored, state, out, accepted, panes if job.validate else None):
+    for frame in (parsed, state, out, accepted, panes if job.validate else None):
         if frame is not None:
             frame.unpersist()
     return counts, clock, max_et

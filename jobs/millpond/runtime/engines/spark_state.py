@@ -10,8 +10,11 @@ batch reads, and copy-on-write replaces, only the files that can hold a window i
   the batch's distinct keys with the files' ranges (a broadcast of one row per file); only the file numbers
   come back.
 
-The other files stay as they are. Files written by the local engine's MERGE hold keys of every range; they are
-read until a batch on this engine rewrites them into ranges. A file without the statistics is always read.
+The other files stay as they are. Of the files read, only the rows the batch can change reach Spark, and only
+the files a changed window may be in are replaced, each by a task of its own in Arrow (``lake.spark_ranged``):
+the stored rows around them never pass through Spark's rows. A file that outgrows ``FILE_ROWS`` by half is
+written back as pieces of about that size. Files written by the local engine's MERGE hold keys of every range;
+they are read until a batch on this engine rewrites them. A file without the statistics is always read.
 The table's rows are the local engine's either way: only which files hold them differs.
 """
 
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from millpond.lake.snapshot_files import data_files
+from millpond.lake.spark_ranged import RangedFile
 from millpond.model.clock import BatchClock
 
 if TYPE_CHECKING:
@@ -39,12 +43,10 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 @dataclass(frozen=True)
 class StateFiles:
-    """The ``windows`` files a batch reads and replaces (as ``read_table``'s ``only`` and as the add actions
-    ``commit_files`` removes), their rows (by statistics), and how many files the table has."""
+    """The ``windows`` files a batch reads and may replace, with their key ranges (``lake.spark_ranged``), and
+    how many files the table has."""
 
-    read: list[tuple[str, dict[str, Any]]]
-    removes: list[dict[str, Any]]
-    rows: int
+    files: list[RangedFile]
     total: int
 
 
@@ -81,7 +83,7 @@ def state_files(job: BatchContext, version: int, accepted, clock: BatchClock) ->
     key of ``accepted`` (the batch's elements, a DataFrame)."""
     dt = job.tables.open(job.name, "windows", version)
     if dt is None:
-        return StateFiles([], [], 0, 0)
+        return StateFiles([], 0)
     actions = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
     files = data_files(dt)  # the same order as the add actions
     wanted = {i for i, a in enumerate(actions) if due(a, clock) or _key_range(a) is None}
@@ -91,8 +93,13 @@ def state_files(job: BatchContext, version: int, accepted, clock: BatchClock) ->
     else:
         wanted |= {i for i, _lo, _hi in ranges}  # one file: reading it costs less than the job that would say
     chosen = sorted(wanted)
-    return StateFiles([files[i] for i in chosen], [_remove(actions[i]) for i in chosen],
-                      sum(int(actions[i].get("num_records") or 0) for i in chosen), len(actions))
+    return StateFiles([_ranged(files[i], actions[i]) for i in chosen], len(actions))
+
+
+def _ranged(file: tuple[str, dict[str, Any]], action: dict[str, Any]) -> RangedFile:
+    bounds = _key_range(action)
+    lo, hi = bounds if bounds is not None else (None, None)
+    return RangedFile(file[0], file[1], _remove(action), lo, hi)
 
 
 def _touched(spark, accepted, ranges: list[tuple[int, str, str | None]]) -> set[int]:
