@@ -28,7 +28,8 @@ FEW = 1_000
 SAMPLE_RESULT_BYTES = 64 * 1024
 WORKLOAD = WorkloadSpec(events=24_000, keys=1_200, batches=2, seed=11)
 CLIENT = """
-import json, sys
+import faulthandler, json, sys
+faulthandler.dump_traceback_later(600, exit=True)  # a hang says where, in the assertion's stderr
 from millpond.config import load_settings
 from millpond.model.spec import pipeline_from_dict
 from millpond.model.timeutil import to_datetime
@@ -98,7 +99,7 @@ def test_a_validated_batch_never_funnels_its_rows_through_one_task(settings, tab
     try:
         proc = subprocess.run([sys.executable, "-c", CLIENT, json.dumps(doc), server_settings.spark_connect_url,
                                json.dumps(times)], capture_output=True, text=True, timeout=900, env=dict(os.environ))
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, proc.stderr[-12000:]
         ran = json.loads(proc.stdout.strip().splitlines()[-1])
         assert all(r["panes"] and r["engine"] == "spark/plan" for r in ran) and ran[-1]["retractions"], ran
         ui = server.ui_url
