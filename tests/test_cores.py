@@ -151,6 +151,34 @@ def test_spark_and_element_paths_match_the_driver_path(settings, tables, spark, 
                     == [r.replace(names[path], "P") for r in other[table]]), (path, table)
 
 
+def test_engines_taking_turns_on_one_pipeline_match_the_driver_path(settings, tables, spark, pipeline_name) -> None:
+    """A pipeline whose batches alternate engines (local, Spark's plan, local, Spark's plan for the flush): each
+    engine reads and replaces the other's ``windows`` files (the local engine's MERGE writes files of every key
+    range, the Spark engine's file-by-file rewrite keeps and grows them, ``lake.spark_ranged``), and the tables
+    equal a pipeline run on the driver path throughout."""
+    spec_w = WorkloadSpec(events=6_000, keys=400, batches=3, seed=21)
+    events = generate(spec_w)
+    store = ObjectStore(settings)
+    doc = {**SESSIONS, "allowed_lateness": "10m"}
+    names = {}
+    for path in ("driver", "turns"):
+        name = names[path] = f"{pipeline_name}_{path}"
+        land(store, settings.bucket_landing, f"{name}/", spec_w, events)
+        spec = pipeline_from_dict({"name": name, "source": {"prefix": f"{name}/"}, **doc})
+        for b in range(spec_w.batches + 1):
+            on_spark = path == "turns" and b % 2 == 1
+            chosen = settings.with_overrides(engine="spark" if on_spark else "local", engine_local_below=0,
+                                             engine_one_task_below=0, driver_workers=0)
+            result = run_batch(chosen, spec, to_datetime(spec_w.start_us + (b + 1) * spec_w.interval_us),
+                               spark=spark if on_spark else None)
+            assert (result.engine or "").startswith("spark") == on_spark, result.engine
+    driver, turns = _tables(tables, names["driver"]), _tables(tables, names["turns"])
+    assert driver["windows"] and driver["panes"] and driver["late"]
+    for table in driver:
+        assert ([r.replace(names["driver"], "P") for r in driver[table]]
+                == [r.replace(names["turns"], "P") for r in turns[table]]), table
+
+
 T0 = to_us("2026-03-02T00:00:00Z")
 MINUTE = 60 * US
 #: batches of SESSIONS (every 5m, watermark 2m behind processing time; allowed lateness 10m: ids are kept for
