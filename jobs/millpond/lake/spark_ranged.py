@@ -126,11 +126,10 @@ def read_task(storage: Storage, files: list[RangedFile], schema: pa.Schema, wate
         keys = tags.filter(pc.and_(pc.equal(tags.column("_f"), f), pc.is_valid(tags.column("key"))))
         file = files[f]
         filesystem, path = storage.filesystem(file.uri)
-        for batch in read_file(filesystem, path, schema, file.partition_values):
-            kept = touched_rows(pa.Table.from_batches([batch]), keys.select(["key", "lo", "hi"]), watermark,
-                                processing_time, reach)
-            if kept.num_rows:
-                yield from kept.to_batches()
+        rows = pa.Table.from_batches(list(read_file(filesystem, path, schema, file.partition_values)), schema=schema)
+        kept = touched_rows(rows, keys.select(["key", "lo", "hi"]), watermark, processing_time, reach)
+        if kept.num_rows:
+            yield from kept.to_batches()
 
 
 def touched_rows(rows: pa.Table, keys: pa.Table, watermark: int, processing_time: int,

@@ -65,6 +65,8 @@ class WindowState:
         )
 
 
+#: a stored window's key in the ``windows`` table (its MERGE key; the order of the rows within a file)
+WINDOW_KEY = ("key", "window_start", "window_end")
 WINDOWS_SCHEMA = pa.schema(
     [
         ("key", pa.string()),

@@ -35,7 +35,7 @@ from millpond.lake.schemas import (
 from millpond.lake.tables import Txn
 from millpond.model.clock import BatchClock
 from millpond.model.panes import pane_schema
-from millpond.model.state import WINDOWS_SCHEMA
+from millpond.model.state import WINDOW_KEY, WINDOWS_SCHEMA
 from millpond.runtime.engines.base import BatchWork
 from millpond.runtime.engines.spark_keys import per_key_step
 from millpond.runtime.engines.spark_state import FILE_ROWS, StateFiles, ranged, state_files
@@ -51,8 +51,6 @@ if TYPE_CHECKING:
 
 #: rows one task of a batch's shuffles takes (the per-key step's partitions)
 ROWS_PER_TASK = 250_000
-#: a stored window's key in ``windows`` (its MERGE key, and the order within a file)
-WINDOW_KEY = ("key", "window_start", "window_end")
 
 
 def ts_column(column: str):

@@ -40,16 +40,13 @@ from millpond.lake.tables import Tables, Txn
 from millpond.model.clock import BatchClock
 from millpond.model.panes import pane_schema
 from millpond.model.spec import pipeline_from_dict
-from millpond.model.state import WINDOWS_SCHEMA
+from millpond.model.state import WINDOW_KEY, WINDOWS_SCHEMA
 from millpond.runtime.engines.base import BatchWork
 from millpond.runtime.engines.spark_watchdog import watched
 
 if TYPE_CHECKING:
     from millpond.runtime.commits import PhaseTimer
     from millpond.runtime.context import BatchContext
-
-#: the key of a stored window (``windows``' MERGE key)
-WINDOW_KEY = ["key", "window_start", "window_end"]
 
 
 @dataclass(frozen=True)
@@ -193,7 +190,7 @@ def _windows(job: TaskBatch, given: TaskInput, changes: pa.Table) -> pa.Table:
     if version is not None:
         old = job.tables.read_arrow(job.name, "windows", version=version, schema=WINDOWS_SCHEMA)
         old = old.select(WINDOWS_SCHEMA.names).cast(WINDOWS_SCHEMA)
-        unchanged = old.join(changes.select(WINDOW_KEY), keys=WINDOW_KEY, join_type="left anti")
+        unchanged = old.join(changes.select(list(WINDOW_KEY)), keys=list(WINDOW_KEY), join_type="left anti")
         new = pa.concat_tables([unchanged.select(WINDOWS_SCHEMA.names), new])
     return new.sort_by([(k, "ascending") for k in WINDOW_KEY])
 
