@@ -174,14 +174,15 @@ def stored_windows(job: BatchContext, files: StateFiles | None, accepted, clock:
                                      job.settings.spark_shuffle_partitions)
 
 
-def compute(job: BatchContext, clock: BatchClock, accepted, state, partitions: int, now: bool = False):
+def compute(job: BatchContext, clock: BatchClock, accepted, state, partitions: int, now: bool = False,
+            rows: int = 0):
     """The per-key step on executors (``spark_keys.per_key_step``); the output rows of every table, tagged.
     ``now``: run here (a validated batch: so that its validation phase holds validation, not the step); else
-    by the output's tally."""
+    by the output's tally. ``rows``: the batch's elements (it sizes the sample of the step's key ranges)."""
     spec_json = json.dumps(job.spec.raw, sort_keys=True, default=str)
     return keep(job.spark, per_key_step(spec_json, clock, accepted, state, job.spec.value_type,
                                         job.spec.pane_value_type, job.spec.mode.value == "discarding",
-                                        job.settings.columnar_windows, key_tasks(job, partitions)), now=now)
+                                        job.settings.columnar_windows, key_tasks(job, partitions), rows), now=now)
 
 
 def key_tasks(job: BatchContext, partitions: int) -> int:
@@ -420,7 +421,7 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], rows: i
     if state is not None:
         state = keep(job.spark, state)
     job.commits.plan_landed()
-    out = compute(job, clock, accepted, state, partitions, now=job.validate)
+    out = compute(job, clock, accepted, state, partitions, now=job.validate, rows=counts["accepted"])
     panes = panes_frame(out, values)
     if job.validate:  # validated and written: numbered once, here (the validation phase holds validation only)
         panes = keep(job.spark, panes)

@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 from millpond.lake.schemas import value_arrow_type
 from millpond.model.clock import BatchClock
 from millpond.runtime.assembly import Assembly, key_rows, strategy_of
-from millpond.runtime.layout import EVENT_COLUMNS, KeyLayout
+from millpond.runtime.layout import EVENT_COLUMNS, KEY_COST, STATE_ROW_COST, KeyLayout
 
 
 def key_output_schema(value_type: str, pane_type: str) -> pa.Schema:
@@ -79,10 +79,11 @@ def run_partition(spec_json: str, clock: BatchClock, value_type: str, pane_type:
 
 
 def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type: str, pane_type: str,
-                 discarding: bool, columnar: bool, partitions: int):
+                 discarding: bool, columnar: bool, partitions: int, rows: int = 0):
     """A DataFrame of the tagged output rows of every key of the batch, computed on executors in
-    ``partitions`` tasks over ranges of keys (``part``: the task's range, in key order); a ``read`` row per
-    task holds the number of stored windows it read (``pane_index``) and of panes it emitted (``seq``)."""
+    ``partitions`` tasks over ranges of keys (``part``: the range, in key order; ``key_ranges``); a ``read`` row
+    per range holds the number of stored windows it read (``pane_index``) and of panes it emitted (``seq``).
+    ``rows``: about how many elements the batch has (it sizes the sample that sets the ranges)."""
     from pyspark.sql import functions as F
 
     vtype = "bigint" if value_type == "int" else "double"
@@ -103,11 +104,106 @@ def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type:
             return
         from pyspark import TaskContext
 
-        out = run_partition(spec_json, clock, value_type, pane_type, discarding, columnar,
-                            pa.Table.from_batches(batches), TaskContext.get().partitionId())
-        yield from out.to_batches()
+        table = pa.Table.from_batches(batches)
+        if RANGE not in table.column_names:
+            yield from run_partition(spec_json, clock, value_type, pane_type, discarding, columnar, table,
+                                     TaskContext.get().partitionId()).to_batches()
+            return
+        ranges = table.column(RANGE)
+        for part in sorted(pc.unique(ranges).to_pylist()):  # one, unless two ranges' hashes met in one task
+            own = table.filter(pc.equal(ranges, part)).drop_columns([RANGE])
+            yield from run_partition(spec_json, clock, value_type, pane_type, discarding, columnar, own,
+                                     part).to_batches()
 
     from pyspark.sql.pandas.types import from_arrow_schema
 
-    # by ranges of keys (a sampling job sets their bounds): the panes' numbering needs no global sort
-    return combined.repartitionByRange(partitions, "key").mapInArrow(run, from_arrow_schema(schema))
+    return key_ranges(combined, partitions, rows).mapInArrow(run, from_arrow_schema(schema))
+
+
+#: the column that carries a row's key range into the per-key step's tasks
+RANGE = "_range"
+#: about how many of a batch's rows the sample for its key ranges reads
+SAMPLE_ROWS = 20_000
+
+
+def key_ranges(combined, partitions: int, rows: int):
+    """``combined`` (elements and stored windows) spread into ``partitions`` tasks by ranges of keys, each range
+    about as costly: a key costs ``layout.KEY_COST`` elements, a stored window ``STATE_ROW_COST`` (Spark's own
+    range partitioning balances rows, and a batch's light keys, most of its cost, then sort into one range;
+    measured: one task of two ran 4 s, the other 0.6 s). The bounds come from a sample of the keys (a hash of
+    the key picks about ``SAMPLE_ROWS`` rows, with all of their keys' rows: one small job); each row carries its
+    range (``RANGE``), and the ranges go to tasks by a hash of a number chosen to land range ``i`` in task ``i``.
+    Too small a sample to cut (few keys) leaves it to Spark's ``repartitionByRange``."""
+    from pyspark.sql import functions as F
+
+    if partitions <= 1:
+        return combined.repartitionByRange(partitions, "key")
+    every = max(1, rows // SAMPLE_ROWS)
+    cost = F.when(F.col("state").isNull(), F.lit(1)).otherwise(F.lit(STATE_ROW_COST))
+    sample = (combined.where(F.pmod(F.xxhash64("key"), F.lit(every)) == 0).groupBy("key")
+              .agg(F.sum(cost).alias("w")).toArrow())
+    bounds = weighted_bounds(sample.column("key").to_pylist(), sample.column("w").to_pylist(), partitions)
+    if bounds is None:
+        return combined.repartitionByRange(partitions, "key")
+    slots = [slot_for(i, partitions) for i in range(len(bounds) + 1)]
+    return (combined.withColumn(RANGE, _range_of(F.col("key"), bounds, 0, len(bounds)))
+            .repartition(partitions, _slot_of(F.col(RANGE), slots)))
+
+
+def weighted_bounds(keys: list[str], weights: list[int], partitions: int) -> list[str] | None:
+    """Upper bounds (inclusive, ascending, distinct) of ``partitions`` key ranges of about equal cost, a key
+    costing ``KEY_COST`` plus its rows' ``weights``; None when the sample has too few keys to cut."""
+    if len(keys) < 4 * partitions:
+        return None
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    cost = np.cumsum([KEY_COST + weights[i] for i in order])
+    cuts = np.searchsorted(cost, cost[-1] * np.arange(1, partitions) / partitions)
+    bounds: list[str] = []
+    last = keys[order[-1]]
+    for c in cuts.tolist():
+        key = keys[order[min(c, len(order) - 1)]]
+        if key < last and (not bounds or key > bounds[-1]):  # at the last key, the range after would be empty
+            bounds.append(key)
+    return bounds
+
+
+def _range_of(key, bounds: list[str], lo: int, hi: int):
+    """How many of ``bounds[lo:hi]`` lie below ``key``, plus ``lo``: a balanced tree of comparisons."""
+    from pyspark.sql import functions as F
+
+    if lo == hi:
+        return F.lit(lo)
+    mid = (lo + hi) // 2
+    return F.when(key <= F.lit(bounds[mid]), _range_of(key, bounds, lo, mid)).otherwise(
+        _range_of(key, bounds, mid + 1, hi))
+
+
+def _slot_of(rng, slots: list[int]):
+    from pyspark.sql import functions as F
+
+    expr = F.lit(slots[-1])
+    for i in range(len(slots) - 2, -1, -1):
+        expr = F.when(rng == i, F.lit(slots[i])).otherwise(expr)
+    return expr.cast("int")
+
+
+def slot_for(task: int, tasks: int) -> int:
+    """The smallest int Spark's hash partitioning of ``tasks`` (Murmur3, seed 42, ``pmod``) sends to ``task``."""
+    value = 0
+    while murmur3_int(value) % tasks != task:
+        value += 1
+    return value
+
+
+def murmur3_int(value: int, seed: int = 42) -> int:
+    """Spark's ``hash()`` of an int (Murmur3 x86 32-bit, ``Murmur3_x86_32.hashInt``), signed."""
+    def rotl(x: int, r: int) -> int:
+        return ((x << r) | (x >> (32 - r))) & 0xFFFFFFFF
+
+    k1 = rotl((value & 0xFFFFFFFF) * 0xCC9E2D51 & 0xFFFFFFFF, 15) * 0x1B873593 & 0xFFFFFFFF
+    h1 = (rotl(seed ^ k1, 13) * 5 + 0xE6546B64) & 0xFFFFFFFF
+    h1 ^= 4
+    h1 = (h1 ^ (h1 >> 16)) * 0x85EBCA6B & 0xFFFFFFFF
+    h1 = (h1 ^ (h1 >> 13)) * 0xC2B2AE35 & 0xFFFFFFFF
+    h1 ^= h1 >> 16
+    return h1 - (1 << 32) if h1 >= 1 << 31 else h1

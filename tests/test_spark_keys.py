@@ -1,0 +1,67 @@
+"""The per-key step's key ranges on the Spark engine (``runtime.engines.spark_keys.key_ranges``): ranges of
+about equal cost, a key costing more than a row, each range in a task of its own."""
+
+from __future__ import annotations
+
+import pytest
+from millpond.runtime.engines.spark_keys import RANGE, key_ranges, murmur3_int, slot_for, weighted_bounds
+from millpond.runtime.layout import KEY_COST
+
+
+def _skewed(heavy: int = 10, heavy_rows: int = 2_000, light: int = 6_000) -> list[tuple[str, int]]:
+    """(key, rows): a few hot keys sorting first (``a…``), then many keys of one row (``b…``): Zipf keys'
+    shape, where the rows are half hot and the keys nearly all cold."""
+    return [(f"a{i:04d}", heavy_rows) for i in range(heavy)] + [(f"b{i:06d}", 1) for i in range(light)]
+
+
+@pytest.mark.unit
+def test_bounds_split_the_cost_of_keys_not_their_rows() -> None:
+    keys = _skewed()
+    bounds = weighted_bounds([k for k, _ in keys], [n for _, n in keys], 2)
+    assert bounds is not None and len(bounds) == 1
+    cost = [sum(KEY_COST + n for k, n in keys if (k <= bounds[0]) == first) for first in (True, False)]
+    assert max(cost) / min(cost) < 1.05
+    # by rows alone, the cut would fall at the last hot key, leaving every cold key to the second range
+    assert bounds[0] > "b"
+
+
+@pytest.mark.unit
+def test_bounds_are_distinct_and_need_enough_keys() -> None:
+    assert weighted_bounds(["a", "b", "c"], [1, 1, 1], 2) is None
+    keys = [f"k{i:02d}" for i in range(30)] + ["m"] + [f"y{i:02d}" for i in range(30)]
+    bounds = weighted_bounds(keys, [1] * 30 + [100_000] + [1] * 30, 4)
+    # one key holds most of the cost: the cuts fall on it once, not three times (no empty range between)
+    assert bounds == ["m"]
+    assert weighted_bounds(keys[:31], [1] * 30 + [100_000], 4) == []  # the last key: no empty range after it
+
+
+@pytest.mark.unit
+def test_the_slot_of_a_task_is_the_int_spark_s_hash_partitioning_sends_there() -> None:
+    assert murmur3_int(0) == 933211791  # Spark: SELECT hash(0)
+    assert murmur3_int(-1) == -1604776387  # SELECT hash(-1)
+    for tasks in (2, 3, 8):
+        assert [murmur3_int(slot_for(t, tasks)) % tasks for t in range(tasks)] == list(range(tasks))
+
+
+def test_murmur_matches_spark_s_hash(spark) -> None:
+    from pyspark.sql import functions as F
+
+    got = spark.range(-300, 700).select(F.col("id").cast("int").alias("v")).select("v", F.hash("v").alias("h"))
+    assert all(murmur3_int(r["v"]) == r["h"] for r in got.collect())
+
+
+def test_each_range_runs_in_its_own_task_with_a_fair_share_of_the_keys(spark) -> None:
+    from pyspark.sql import functions as F
+
+    rows = [(k, None) for k, n in _skewed() for _ in range(n)]
+    frame = spark.createDataFrame(rows, "key string, state string")
+    spread = key_ranges(frame, 2, len(rows)).select("key", RANGE, F.spark_partition_id().alias("task"))
+    tasks = spread.groupBy("task").agg(F.countDistinct("key").alias("keys"), F.count(F.lit(1)).alias("rows"),
+                                       F.min(RANGE).alias("lo"), F.max(RANGE).alias("hi"),
+                                       F.min("key").alias("first"), F.max("key").alias("last")).collect()
+    by_task = sorted(tasks, key=lambda r: r["task"])
+    assert [(r["task"], r["lo"], r["hi"]) for r in by_task] == [(0, 0, 0), (1, 1, 1)]
+    assert by_task[0]["last"] < by_task[1]["first"]  # ranges in key order, task by task
+    assert sum(r["rows"] for r in by_task) == len(rows)
+    cost = [KEY_COST * r["keys"] + r["rows"] for r in by_task]
+    assert max(cost) / min(cost) < 1.3, by_task  # Spark's repartitionByRange: 1 : 9 here
