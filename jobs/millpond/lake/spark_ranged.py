@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import functools
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,20 +76,21 @@ def rewrite_files(changes, files: Sequence[RangedFile], settings: Settings, tabl
     return tagged.repartition(max(1, min(tasks, len(files))), F.col("_f")).mapInArrow(task, spark_schema(WRITTEN))
 
 
-def read_touched(spark, ranges, files: Sequence[RangedFile], settings: Settings, schema: pa.Schema, watermark: int,
-                 processing_time: int, reach: int | None, tasks: int):
+def read_touched(spark, ranges, files: Sequence[RangedFile], always: Collection[int], settings: Settings,
+                 schema: pa.Schema, watermark: int, processing_time: int, reach: int | None, tasks: int):
     """The rows of ``files`` a batch can change, read on executors (``stored_schema``'s columns: times in
-    microseconds). ``ranges``: the batch's keys and their elements' event-time bounds (``key``, ``lo``,
+    microseconds): only files whose key range holds one of its keys, and those numbered in ``always`` (a due
+    timer, no statistics). ``ranges``: the batch's keys and their elements' event-time bounds (``key``, ``lo``,
     ``hi``, microseconds); ``schema``: the table's; ``reach``: as ``WindowFn.reach``."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
 
     tagged = ranges.select("key", "lo", "hi").mapInArrow(functools.partial(key_tags, list(files)),
                                                            spark_schema(KEY_TAGS))
-    # a row per file, so that a file read for its timers alone is read too
+    # a row per file read whatever the keys, so that a file read for its timers alone is read too
     probe_schema = StructType([StructField("key", StringType()), StructField("lo", LongType()),
                                StructField("hi", LongType()), StructField("_f", IntegerType(), False)])
-    probes = spark.createDataFrame([(None, None, None, f) for f in range(len(files))], probe_schema)
+    probes = spark.createDataFrame([(None, None, None, f) for f in sorted(always)], probe_schema)
     task = functools.partial(read_task, Storage.of(settings), list(files), schema, watermark, processing_time, reach)
     return tagged.unionByName(probes).repartition(max(1, min(tasks, len(files))), F.col("_f")).mapInArrow(
         task, spark_schema(STORED))

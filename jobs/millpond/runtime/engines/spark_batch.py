@@ -169,7 +169,8 @@ def stored_windows(job: BatchContext, files: StateFiles | None, accepted, clock:
     if files is None or not files.files:
         return None
     ranges = accepted.groupBy("key").agg(F.min("event_time").alias("lo"), F.max("event_time").alias("hi"))
-    return spark_ranged.read_touched(job.spark, ranges, files.files, job.settings, WINDOWS_SCHEMA, clock.watermark,
+    return spark_ranged.read_touched(job.spark, ranges, files.files, files.always, job.settings, WINDOWS_SCHEMA,
+                                     clock.watermark,
                                      clock.processing_time, job.strategy.window_fn.reach(),
                                      job.settings.spark_shuffle_partitions)
 
@@ -416,7 +417,7 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], rows: i
                           watermark=clock.watermark, keep_from=keep_from)
     # only the files that can hold a window the batch may change (``spark_state``), and of those only the rows it
     # can change (the rewrite reads the files it replaces itself, ``lake.spark_ranged``)
-    stored_files = None if version is None else state_files(job, version, accepted, clock)
+    stored_files = None if version is None else state_files(job, version, clock)
     state = stored_windows(job, stored_files, accepted, clock)
     if state is not None:
         state = keep(job.spark, state)

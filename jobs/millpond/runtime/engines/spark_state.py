@@ -5,10 +5,11 @@ Layout: the engine writes ``windows`` as files of contiguous key ranges (range-p
 and window within each, about ``FILE_ROWS`` rows each), whose add actions carry key and timer statistics. A
 batch reads, and copy-on-write replaces, only the files that can hold a window it may change:
 
-- a file whose earliest event or processing-time timer is due at the batch's clock (by its statistics);
-- a file whose key range (min, max) holds a key of the batch's elements, found by one small Spark job joining
-  the batch's distinct keys with the files' ranges (a broadcast of one row per file); only the file numbers
-  come back.
+- a file whose earliest event or processing-time timer is due at the batch's clock (by its statistics), or
+  one without statistics: read whatever the batch's keys;
+- a file whose key range (min, max) holds a key of the batch's elements: the read job's tasks tag each key with
+  the files whose ranges hold it (``lake.spark_ranged.key_tags``) and read only files with a tag, so choosing
+  them costs no Spark job of its own.
 
 The other files stay as they are. Of the files read, only the rows the batch can change reach Spark, and only
 the files a changed window may be in are replaced, each by a task of its own in Arrow (``lake.spark_ranged``):
@@ -43,11 +44,12 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 @dataclass(frozen=True)
 class StateFiles:
-    """The ``windows`` files a batch reads and may replace, with their key ranges (``lake.spark_ranged``), and
-    how many files the table has."""
+    """The ``windows`` files at the batch's version with their key ranges (``lake.spark_ranged``), and the numbers
+    of those read whatever the batch's keys (``always``: a due timer, or no statistics). Of the others, a batch
+    reads and may replace only those whose range holds one of its keys."""
 
     files: list[RangedFile]
-    total: int
+    always: frozenset[int]
 
 
 def _us(value: Any) -> int | None:
@@ -78,41 +80,21 @@ def _key_range(action: dict[str, Any]) -> tuple[str, str | None] | None:
     return str(lo), (None if hi is None or len(str(hi)) >= STATS_TRUNCATE else str(hi))
 
 
-def state_files(job: BatchContext, version: int, accepted, clock: BatchClock) -> StateFiles:
-    """The files of ``windows`` at ``version`` the batch must read: due ones, and those whose key range holds a
-    key of ``accepted`` (the batch's elements, a DataFrame)."""
+def state_files(job: BatchContext, version: int, clock: BatchClock) -> StateFiles:
+    """The files of ``windows`` at ``version``, and which of them the batch reads whatever its keys."""
     dt = job.tables.open(job.name, "windows", version)
     if dt is None:
-        return StateFiles([], 0)
+        return StateFiles([], frozenset())
     actions = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
     files = data_files(dt)  # the same order as the add actions
-    wanted = {i for i, a in enumerate(actions) if due(a, clock) or _key_range(a) is None}
-    ranges = [(i, *_key_range(a)) for i, a in enumerate(actions) if i not in wanted]
-    if len(ranges) > 1:
-        wanted |= _touched(job.spark, accepted, ranges)
-    else:
-        wanted |= {i for i, _lo, _hi in ranges}  # one file: reading it costs less than the job that would say
-    chosen = sorted(wanted)
-    return StateFiles([_ranged(files[i], actions[i]) for i in chosen], len(actions))
+    always = frozenset(i for i, a in enumerate(actions) if due(a, clock) or _key_range(a) is None)
+    return StateFiles([_ranged(files[i], a) for i, a in enumerate(actions)], always)
 
 
 def _ranged(file: tuple[str, dict[str, Any]], action: dict[str, Any]) -> RangedFile:
     bounds = _key_range(action)
     lo, hi = bounds if bounds is not None else (None, None)
     return RangedFile(file[0], file[1], _remove(action), lo, hi)
-
-
-def _touched(spark, accepted, ranges: list[tuple[int, str, str | None]]) -> set[int]:
-    """The files (by number) whose key range holds a key of ``accepted``: one Spark job, file numbers back."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import IntegerType, StringType, StructField, StructType
-
-    schema = StructType([StructField("_f", IntegerType(), False), StructField("_lo", StringType(), False),
-                         StructField("_hi", StringType(), True)])
-    files = F.broadcast(spark.createDataFrame(ranges, schema))
-    inside = (F.col("key") >= F.col("_lo")) & (F.col("_hi").isNull() | (F.col("key") <= F.col("_hi")))
-    hits = accepted.select("key").distinct().join(files, inside).select("_f").distinct().collect()
-    return {r[0] for r in hits}
 
 
 def _remove(action: dict[str, Any]) -> dict[str, Any]:
