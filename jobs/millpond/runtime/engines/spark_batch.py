@@ -99,11 +99,10 @@ def batch_partitions(settings: Settings, rows: int) -> int:
 
 def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time: int, w_in: int, seen,
                    partitions: int):
-    """(the quarantined rows, the accepted elements, counts, max event time, the cached parsed rows): parsed on
+    """(the quarantined rows, the accepted elements, counts, max event time, the kept rows): parsed on
     executors (in at most ``partitions`` tasks; a stage's elements: ``stage_elements``), first of each id
     by (arrival, file, line), ids seen by earlier batches (``seen``, the ``seen_ids`` snapshot, or None) dropped
     when their event time is within the batch's range, as on the local engine. Only counts come back."""
-    from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     spark = job.spark
@@ -113,33 +112,54 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
         return stage_elements(spark, stage_input(job, the_plan, partitions))
     rows = spark_io.read_landing(spark, job.settings, list(zip(the_plan["files"], the_plan["arrivals"], strict=True)),
                                  job.spec.value_type, processing_time, tasks=partitions)
-    # cached, not checkpointed: its plan is a read of the files, cheap to analyse again, and a cache is filled
-    # by the first job that reads it (a lazy checkpoint read the files once more in a job of its own)
-    rows = rows.cache()
-    bad = rows.where(F.col("reason").isNotNull())
-    good = rows.where(F.col("reason").isNull())
-    first = Window.partitionBy("id").orderBy("arrival_time", "file_rank", "pos")
-    firsts = good.withColumn("_n", F.row_number().over(first)).where("_n = 1").drop("_n")
-    accepted = firsts
-    if seen is not None:
-        # the batch's event-time range joined in the plan (a one-row broadcast), not collected first
-        bounds = firsts.agg(F.min("event_time").alias("_lo"), F.max("event_time").alias("_hi"))
-        known = (seen.select("id", F.unix_micros("event_time").alias("_et")).crossJoin(F.broadcast(bounds))
-                 .where(F.col("_et").between(F.col("_lo"), F.col("_hi"))).select("id"))
-        accepted = firsts.join(known, "id", "left_anti")
-    accepted = keep(spark, accepted.select("id", "key", "value", "event_time", "arrival_time"))
-    # both tallies in one Spark job (each action costs a job's round trip on the server)
-    totals = kept = (rows.agg(F.count(F.lit(1)).alias("rows"), F.count("reason").alias("bad"))
-                     .crossJoin(accepted.agg(F.count(F.lit(1)).alias("n"), F.max("event_time").alias("max_et")))
-                     .collect()[0])
-    good_n = totals["rows"] - totals["bad"]
+    marked = keep(spark, marked_firsts(rows, seen))
+    bad = marked.where(F.col("reason").isNotNull()).select(*rows.columns)
+    fresh = F.col("reason").isNull() & F.col("_seen").isNull()
+    accepted = marked.where(fresh).select("id", "key", "value", "event_time", "arrival_time")
+    # every tally in one Spark job, the one that fills ``marked`` (each action costs a job's round trip)
+    tally = marked.agg(
+        F.count("reason").alias("bad"),
+        F.coalesce(F.sum(F.when(F.col("reason").isNull(), F.col("_c"))), F.lit(0)).alias("good"),
+        F.count(F.when(fresh, F.lit(1))).alias("n"), F.max(F.when(fresh, F.col("event_time"))).alias("max_et"),
+    ).collect()[0]
     held = held_rows(the_plan)
     if held:  # files an operator held: one quarantined row each, as on the local engine
         bad = bad.unionByName(spark.createDataFrame([(None,) * 7 + (k, line, raw, why) for k, line, raw, why
                                                      in held], schema=bad.schema))
-    counts = {"input": totals["rows"] + len(held), "accepted": kept["n"], "duplicates": good_n - kept["n"],
-              "quarantined": totals["bad"] + len(held)}
-    return bad, accepted, counts, kept["max_et"], rows
+    counts = {"input": tally["good"] + tally["bad"] + len(held), "accepted": tally["n"],
+              "duplicates": tally["good"] - tally["n"], "quarantined": tally["bad"] + len(held)}
+    return bad, accepted, counts, tally["max_et"], marked
+
+
+def marked_firsts(rows, seen):
+    """The parsed rows (``spark_io.landing_schema``) reduced to what a batch keeps, in one pass over the files:
+    every quarantined row, and the first of each id by (arrival, file, line), with ``_c``, how many rows had its
+    id, and ``_seen``, true when an earlier batch accepted it (``seen``: the ``seen_ids`` snapshot, or None; only
+    its ids within the batch's event-time range count, as on the local engine). The files are read once: the
+    counts come from these rows, not from a second read or a cache of every parsed row."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    is_bad = F.col("reason").isNotNull()
+    # a quarantined row has no id: a group of its own per (file, line), so bad rows spread over the tasks too; an
+    # element sorts first in its group whatever (a bad row is kept anyway), and only elements count in ``_c``
+    group = F.coalesce(F.col("id"), F.concat(F.lit("\u0000"), F.col("source_file"), F.lit(":"),
+                                             F.col("line").cast("string")))
+    first = Window.partitionBy("_g").orderBy(is_bad, "arrival_time", "file_rank", "pos")
+    every = first.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+    firsts = (rows.withColumn("_g", group).withColumn("_n", F.row_number().over(first))
+              .withColumn("_c", F.count(F.when(~is_bad, F.lit(1))).over(every))
+              .where(is_bad | (F.col("_n") == 1)).drop("_n"))
+    if seen is None:
+        return firsts.drop("_g").withColumn("_seen", F.lit(None).cast("boolean"))
+    # the batch's event-time range joined in the plan (a one-row broadcast), not collected first
+    bounds = firsts.where(~is_bad).agg(F.min("event_time").alias("_lo"), F.max("event_time").alias("_hi"))
+    known = (seen.select(F.col("id").alias("_k"), F.unix_micros("event_time").alias("_et"))
+             .crossJoin(F.broadcast(bounds)).where(F.col("_et").between(F.col("_lo"), F.col("_hi")))
+             .select("_k").dropDuplicates(["_k"]).withColumn("_seen", F.lit(True)))
+    # on the window's own partitioning (``_g``): the rows are not shuffled again for the join
+    marked = firsts.join(known, F.col("_g") == F.col("_k"), "left")
+    return marked.select(*rows.columns, "_c", F.when(~is_bad, F.col("_seen")).alias("_seen"))
 
 
 def stage_elements(spark, rows):
