@@ -11,7 +11,16 @@ import pyarrow.compute as pc
 import pytest
 from millpond.lake.snapshot_files import Storage, read_file
 from millpond.lake.spark_io import write_table
-from millpond.lake.spark_ranged import RangedFile, homes, replace_file, split_written, tag_task, touched_rows
+from millpond.lake.spark_ranged import (
+    RangedFile,
+    holding,
+    homes,
+    key_tags,
+    replace_file,
+    split_written,
+    tag_task,
+    touched_rows,
+)
 from millpond.model.state import WINDOWS_SCHEMA
 
 KEY = ["key", "window_start", "window_end"]
@@ -52,6 +61,33 @@ def test_a_changed_row_goes_to_every_file_that_may_hold_it_and_is_added_to_its_h
         ("l", 1, True), ("l", 2, False),  # between the ranges: its home's range grows
         ("zz", 2, False), ("zz", 3, True),  # no upper bound (a long key's statistic was cut)
     ])
+
+
+@pytest.mark.unit
+def test_the_keys_a_file_holds_are_found_by_search_as_by_comparing_each_key() -> None:
+    """``holding`` (keys sorted once, two binary searches a file) against the plain rule, on seeded random keys
+    and ranges: overlapping, open-ended, without statistics, and a range no key falls in."""
+    import random
+
+    rng = random.Random(7)
+    alphabet = "abcé中z"
+    keys = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(400)]
+    files = [file(None, None), file("b", None), file("zzzzz", None), file("é", "é中")]
+    for _ in range(30):
+        lo, hi = sorted("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3))) for _ in range(2))
+        files.append(file(lo, hi))
+    got = {f: at.tolist() for f, at in holding(files, pa.array(keys))}
+    want = {}
+    for f, r in enumerate(files):
+        at = [i for i, k in enumerate(keys) if r.lo is None or (k.encode() >= r.lo.encode()
+                                                               and (r.hi is None or k.encode() <= r.hi.encode()))]
+        if at:
+            want[f] = at
+    assert got == want
+    tags = pa.Table.from_batches(list(key_tags(files, [pa.record_batch(
+        {"key": keys, "lo": pa.array(range(400), pa.int64()), "hi": pa.array(range(400), pa.int64())})])))
+    assert sorted(zip(tags.column("_f").to_pylist(), tags.column("lo").to_pylist(), strict=True)) == sorted(
+        (f, i) for f, at in want.items() for i in at)
 
 
 def _written(settings, uri: str, actions: list[str]) -> pa.Table:

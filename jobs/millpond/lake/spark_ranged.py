@@ -51,14 +51,23 @@ class RangedFile:
     lo: str | None
     hi: str | None
 
-    def holds(self, keys: pa.Array | pa.ChunkedArray) -> pa.Array:
-        """Which of ``keys`` this file's range holds (every one without statistics)."""
-        if self.lo is None:
-            return pa.array(np.ones(len(keys), bool))
-        inside = pc.greater_equal(keys, self.lo)
-        if self.hi is not None:
-            inside = pc.and_(inside, pc.less_equal(keys, self.hi))
-        return pc.fill_null(inside, False)
+
+def holding(files: Sequence[RangedFile], keys: pa.Array | pa.ChunkedArray) -> Iterator[tuple[int, np.ndarray]]:
+    """(file number, the ascending positions in ``keys`` of those its key range holds) for each file that holds
+    any: the keys sorted once, each file's range two binary searches (not a comparison of every key with every
+    file, which grows with the table's files times the batch's keys). A file without statistics holds every
+    key. (Arrow sorts strings by their UTF-8 bytes, Python by code points: the same order.)"""
+    order = np.asarray(pc.sort_indices(keys)).astype(np.int64)
+    ordered = keys.take(order).to_numpy(zero_copy_only=False)
+    for f, file in enumerate(files):
+        if file.lo is None:
+            at = np.arange(len(keys))
+        else:
+            lo = int(np.searchsorted(ordered, file.lo, "left"))
+            hi = len(ordered) if file.hi is None else int(np.searchsorted(ordered, file.hi, "right"))
+            at = np.sort(order[lo:hi])
+        if len(at):
+            yield f, at
 
 
 def rewrite_files(changes, files: Sequence[RangedFile], settings: Settings, table: str, table_uri: str,
@@ -108,11 +117,10 @@ def key_tags(files: list[RangedFile], batches: Iterable[pa.RecordBatch]) -> Iter
     for batch in batches:
         if not batch.num_rows:
             continue
-        for f, file in enumerate(files):
-            rows = batch.filter(file.holds(batch.column("key")))
-            if rows.num_rows:
-                yield pa.RecordBatch.from_arrays([*rows.columns, pa.array(np.full(rows.num_rows, f, np.int32))],
-                                                 schema=KEY_TAGS)
+        for f, at in holding(files, batch.column("key")):
+            rows = batch.take(pa.array(at))
+            yield pa.RecordBatch.from_arrays([*rows.columns, pa.array(np.full(rows.num_rows, f, np.int32))],
+                                             schema=KEY_TAGS)
 
 
 def read_task(storage: Storage, files: list[RangedFile], schema: pa.Schema, watermark: int, processing_time: int,
@@ -173,18 +181,21 @@ def homes(files: Sequence[RangedFile], keys: list[str]) -> np.ndarray:
 def tag_task(files: list[RangedFile], schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """Runs in an executor: each changed row once per file that may hold its old version, and once for its home
     (``_home``), with the file's number (``_f``)."""
+    tagged = pa.schema([*schema, *TAGS])
     for batch in batches:
         if not batch.num_rows:
             continue
         key = batch.column("key")
         home = homes(files, key.to_pylist())
-        for f, file in enumerate(files):
-            mask = pc.or_(pa.array(home == f), file.holds(key))
-            rows = batch.filter(mask)
-            if rows.num_rows:
+        by_home = np.argsort(home, kind="stable")
+        starts = np.searchsorted(home[by_home], np.arange(len(files) + 1))
+        held = dict(holding(files, key))
+        for f in range(len(files)):
+            at = np.union1d(held.get(f, np.empty(0, np.int64)), by_home[starts[f]:starts[f + 1]])
+            if len(at):
+                rows = batch.take(pa.array(at))
                 yield pa.RecordBatch.from_arrays(
-                    [*rows.columns, pa.array(np.full(rows.num_rows, f, np.int32)),
-                     pa.array(home[mask.to_numpy(zero_copy_only=False)] == f)], schema=pa.schema([*schema, *TAGS]))
+                    [*rows.columns, pa.array(np.full(len(at), f, np.int32)), pa.array(home[at] == f)], schema=tagged)
 
 
 def rewrite_task(storage: Storage, files: list[RangedFile], schema: pa.Schema, table: str, table_uri: str,
