@@ -74,6 +74,15 @@ def _general(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(triggers, "_fresh_state", lambda trigger: None)
     monkeypatch.setattr(Sessions, "merge", _reference_sessions_merge)
     monkeypatch.setattr(engine, "timer_due", _timer_due_walked)
+    for cls in vars(triggers).values():  # each timer on a walk of its own
+        if isinstance(cls, type) and "timers" in vars(cls):
+            monkeypatch.setattr(cls, "timers", _timers_walked_apart)
+
+
+def _timers_walked_apart(self: triggers.Trigger, ctx: triggers.TriggerContext, path: str
+                         ) -> tuple[int | None, int | None]:
+    """``Trigger.timers`` as the two walks it fuses."""
+    return self.event_timer(ctx, path), self.ptime_timer(ctx, path)
 
 
 def _timer_due_walked(ws: WindowState, strategy: engine.Strategy, clock: BatchClock) -> bool:
@@ -185,6 +194,29 @@ def test_event_timer_never_after_garbage_collection() -> None:
             trigger.on_element(ctx, "0", clock.processing_time, rng.randint(1, 3))
             ws.closed = rng.random() < 0.2
             assert timers(ws, strategy, clock)[0] <= gc_time(ws.window, strategy.allowed_lateness)
+
+
+def test_one_walk_gives_both_timers() -> None:
+    """``Trigger.timers`` (one walk) equals ``event_timer`` and ``ptime_timer`` (a walk each), on states that
+    elements, firings and merges leave behind."""
+    rng = random.Random(9)
+    for text in TRIGGERS:
+        trigger = parse_trigger(text)
+        for _ in range(200):
+            start = rng.randint(0, 100) * MIN
+            window = Window(start, start + 5 * MIN)
+            states = []
+            for _ in range(rng.randint(1, 3)):
+                ctx = triggers.TriggerContext(window, start + rng.randint(0, 10) * MIN,
+                                              start + rng.randint(0, 10) * MIN, merge_states(trigger, [{}]))
+                for _ in range(rng.randint(0, 3)):
+                    trigger.on_element(ctx, "0", ctx.ptime - rng.randint(0, 3) * MIN, rng.randint(1, 3))
+                    if trigger.should_fire(ctx, "0") and trigger.on_fire(ctx, "0"):
+                        trigger.set_finished(ctx, "0")
+                states.append(ctx.state)
+            ctx = triggers.TriggerContext(window, start + rng.randint(0, 10) * MIN, start + rng.randint(0, 10) * MIN,
+                                          merge_states(trigger, states))
+            assert trigger.timers(ctx, "0") == (trigger.event_timer(ctx, "0"), trigger.ptime_timer(ctx, "0")), text
 
 
 def _run_tables(spec: str, batches: list[tuple[BatchClock, dict[str, list[Element]]]], columnar: bool

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import psutil
 import pyarrow as pa
 import pytest
 from millpond.errors import BadCredentials, BucketMissing, MillpondError, StoreUnreachable
@@ -167,6 +168,11 @@ def test_store_down_gives_clear_error_and_restart_keeps_data(tmp_path, tables: T
     store = EmbeddedStore(s)
     assert store.start() is True
     assert store.start() is False  # idempotent
+    # every port it listens on is one it was given (the session's store runs too: weed would shift a busy one)
+    pinned = {q for p in s.weed_ports.values() for q in (p, p + 10000)}
+    proc = psutil.Process(int(store.pidfile.read_text()))
+    listening = {c.laddr.port for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    assert listening and listening <= pinned, sorted(listening - pinned)
     Tables(s).append(pipeline_name, "t", pa.table({"k": ["a"]}))
     assert store.stop() is True
     assert store.stop() is False

@@ -167,6 +167,8 @@ OPTIONS: tuple[Option, ...] = (
            "embedded store: filer port"),
     Option("weed_webdav_port", "embedded_store.webdav_port", "MILLPOND_WEED_WEBDAV_PORT", _int, 7333,
            "embedded store: WebDAV port"),
+    Option("weed_admin_port", "embedded_store.admin_port", "MILLPOND_WEED_ADMIN_PORT", _int, 23646,
+           "embedded store: admin server port (its gRPC port is this + 10000; the admin UI stays off)"),
     Option("airflow_enabled", "airflow.enabled", "MILLPOND_AIRFLOW_ENABLED", _bool, True,
            "start the local Airflow with `make up`"),
     Option("airflow_port", "airflow.port", "MILLPOND_AIRFLOW_PORT", _int, 8280, "Airflow UI and REST API port"),
@@ -237,6 +239,7 @@ class Settings:
     weed_volume_port: int
     weed_filer_port: int
     weed_webdav_port: int
+    weed_admin_port: int
     airflow_enabled: bool
     airflow_port: int
     airflow_parallelism: int
@@ -257,7 +260,7 @@ class Settings:
     @property
     def weed_ports(self) -> dict[str, int]:
         return {"s3": self.s3_port, "master": self.weed_master_port, "volume": self.weed_volume_port,
-                "filer": self.weed_filer_port, "webdav": self.weed_webdav_port}
+                "filer": self.weed_filer_port, "webdav": self.weed_webdav_port, "admin": self.weed_admin_port}
 
     @property
     def workers(self) -> int:

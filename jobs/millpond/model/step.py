@@ -80,9 +80,9 @@ def timers(ws: WindowState, strategy: Strategy, clock: BatchClock) -> tuple[int,
     gc = gc_time(ws.window, strategy.allowed_lateness)
     if ws.closed:
         return gc, None
-    ctx = TriggerContext(ws.window, clock.watermark, clock.processing_time, ws.trigger)
-    armed = strategy.trigger.event_timer(ctx, "0")
-    return (min(gc, armed) if armed is not None else gc), strategy.trigger.ptime_timer(ctx, "0")
+    armed, ptime = strategy.trigger.timers(TriggerContext(ws.window, clock.watermark, clock.processing_time,
+                                                          ws.trigger), "0")
+    return (min(gc, armed) if armed is not None else gc), ptime
 
 
 def timer_due(ws: WindowState, strategy: Strategy, clock: BatchClock) -> bool:

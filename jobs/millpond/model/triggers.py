@@ -38,6 +38,12 @@ class TriggerContext:
         return self.state.setdefault(path, {})
 
 
+def _done(state: State, path: str) -> bool:
+    """Whether the trigger at ``path`` finished (``Trigger.finished``, without a call per child)."""
+    node = state.get(path)
+    return node is not None and bool(node.get("done"))
+
+
 class Trigger:
     """Base state machine. Subclasses override the hooks they need."""
 
@@ -60,8 +66,9 @@ class Trigger:
     def on_element(self, ctx: TriggerContext, path: str, element_ptime: int, count: int = 1) -> None:
         """``count`` elements arrived, the first at ``element_ptime``. A batch decides once per window,
         so its elements can be handed over together: the same state as one call per element."""
+        state = ctx.state
         for p, child in self.kids(path):
-            if not child.finished(ctx, p):
+            if not _done(state, p):
                 child.on_element(ctx, p, element_ptime, count)
 
     def should_fire(self, ctx: TriggerContext, path: str) -> bool:
@@ -99,6 +106,21 @@ class Trigger:
         """Earliest watermark at which this trigger could fire on its own (an armed watermark timer)."""
         times = [t for p, c in self.kids(path) if not c.finished(ctx, p) and (t := c.event_timer(ctx, p)) is not None]
         return min(times) if times else None
+
+    def timers(self, ctx: TriggerContext, path: str) -> tuple[int | None, int | None]:
+        """(``event_timer``, ``ptime_timer``) in one walk of the tree: a stored window's two timers are asked
+        for together, once per window the batch writes (the per-key step's largest trigger cost)."""
+        event = ptime = None
+        state = ctx.state
+        for p, child in self.kids(path):
+            if _done(state, p):
+                continue
+            e, t = child.timers(ctx, p)
+            if e is not None and (event is None or e < event):
+                event = e
+            if t is not None and (ptime is None or t < ptime):
+                ptime = t
+        return event, ptime
 
     def walk(self, path: str = "0"):
         yield path, self
@@ -138,6 +160,10 @@ class AtWatermark(Trigger):
 
     def event_timer(self, ctx: TriggerContext, path: str) -> int | None:
         return ctx.window.end if ctx.state.get(path, {}).get("armed") else None
+
+    def timers(self, ctx: TriggerContext, path: str) -> tuple[int | None, int | None]:
+        node = ctx.state.get(path)
+        return (ctx.window.end if node and node.get("armed") else None), None
 
     def __repr__(self) -> str:
         return "AtWatermark()"
@@ -201,6 +227,10 @@ class _ProcessingTimeTrigger(Trigger):
 
     def ptime_timer(self, ctx: TriggerContext, path: str) -> int | None:
         return ctx.state.get(path, {}).get("at")
+
+    def timers(self, ctx: TriggerContext, path: str) -> tuple[int | None, int | None]:
+        node = ctx.state.get(path)
+        return None, (node.get("at") if node else None)
 
 
 class AtPeriod(_ProcessingTimeTrigger):
@@ -304,6 +334,13 @@ class SequenceOf(Trigger):
         p, child = self.kids(path)[i]
         return child.event_timer(ctx, p)
 
+    def timers(self, ctx: TriggerContext, path: str) -> tuple[int | None, int | None]:
+        i = self._current(ctx, path)
+        if i >= len(self.children):
+            return None, None
+        p, child = self.kids(path)[i]
+        return child.timers(ctx, p)
+
 
 class FirstOf(Trigger):
     """Fires when any subtrigger fires; finishes when any finishes (Beam's AfterAny)."""
@@ -316,7 +353,8 @@ class FirstOf(Trigger):
         self.children = tuple(triggers)
 
     def _open(self, ctx: TriggerContext, path: str) -> list[tuple[str, Trigger]]:
-        return [(p, c) for p, c in self.kids(path) if not c.finished(ctx, p)]
+        state = ctx.state
+        return [pc for pc in self.kids(path) if not _done(state, pc[0])]
 
     def should_fire(self, ctx: TriggerContext, path: str) -> bool:
         return any(c.should_fire(ctx, p) for p, c in self._open(ctx, path))

@@ -20,6 +20,7 @@ PORT_VARS = {
     "volume": "MILLPOND_WEED_VOLUME_PORT",
     "filer": "MILLPOND_WEED_FILER_PORT",
     "webdav": "MILLPOND_WEED_WEBDAV_PORT",
+    "admin": "MILLPOND_WEED_ADMIN_PORT",
 }
 
 
@@ -69,6 +70,7 @@ class EmbeddedStore:
             f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume'] + 10000}",
             f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer'] + 10000}",
             f"-webdav.port={p['webdav']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            f"-admin.port={p['admin']}", f"-admin.port.grpc={p['admin'] + 10000}",
         ]
 
     def start(self, timeout: float = 60.0) -> bool:

@@ -190,13 +190,12 @@ def stored_windows(job: BatchContext, files: StateFiles | None, accepted, clock:
         return None
     ranges = accepted.groupBy("key").agg(F.min("event_time").alias("lo"), F.max("event_time").alias("hi"))
     return spark_ranged.read_touched(job.spark, ranges, files.files, files.always, job.settings, WINDOWS_SCHEMA,
-                                     clock.watermark,
-                                     clock.processing_time, job.strategy.window_fn.reach(),
+                                     clock.watermark, clock.processing_time, job.strategy.window_fn.reach(),
                                      job.settings.spark_shuffle_partitions)
 
 
-def compute(job: BatchContext, clock: BatchClock, accepted, state, partitions: int, now: bool = False,
-            rows: int = 0):
+def compute(job: BatchContext, clock: BatchClock, accepted, state, partitions: int, rows: int,
+            now: bool = False):
     """The per-key step on executors (``spark_keys.per_key_step``); the output rows of every table, tagged.
     ``now``: run here (a validated batch: so that its validation phase holds validation, not the step); else
     by the output's tally. ``rows``: the batch's elements (it sizes the sample of the step's key ranges)."""
@@ -442,7 +441,7 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], rows: i
     if state is not None:
         state = keep(job.spark, state)
     job.commits.plan_landed()
-    out = compute(job, clock, accepted, state, partitions, now=job.validate, rows=counts["accepted"])
+    out = compute(job, clock, accepted, state, partitions, counts["accepted"], now=job.validate)
     panes = panes_frame(out, values)
     if job.validate:  # validated and written: numbered once, here (the validation phase holds validation only)
         panes = keep(job.spark, panes)
@@ -455,8 +454,8 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], rows: i
     outputs = write_outputs(job, txn, values, bad, accepted, out, panes, the_plan["versions"], seen,
                             partitions, keep_from, counts["quarantined"], counts["accepted"], stored_files)
     counts = {"files": len(the_plan["files"]), **counts, "late": 0, "panes": 0, "retractions": 0, **outputs}
-    # a warm server keeps cached frames until told
-    for frame in (parsed, state, out, accepted, panes if job.validate else None):
+    # a warm server keeps cached frames until told (``accepted`` is a projection of the kept ``parsed``)
+    for frame in (parsed, state, out, panes if job.validate else None):
         if frame is not None:
             frame.unpersist()
     return counts, clock, max_et

@@ -253,7 +253,7 @@ def _run(job: BatchContext, work: BatchWork, rows: int, timer: PhaseTimer
     job.commits.defer()
     _write(job, work, clock, out, bad, accepted, seen, counts, tally, schemas, partitions)
     commit_watermark(job, work.txn, clock, held, versions.get("watermarks"))
-    for frame in (parsed, accepted, out):
+    for frame in (parsed, out):  # ``accepted``: a projection of the kept ``parsed``
         frame.unpersist()
     return ({"files": len(work.plan["files"]), **counts, "late": tally["late"], "panes": 0, "retractions": 0,
              "state_rows_read": tally["read"], "keys": tally["keys"], "timers_fired": tally["fired"],

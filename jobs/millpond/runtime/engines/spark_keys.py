@@ -79,7 +79,7 @@ def run_partition(spec_json: str, clock: BatchClock, value_type: str, pane_type:
 
 
 def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type: str, pane_type: str,
-                 discarding: bool, columnar: bool, partitions: int, rows: int = 0):
+                 discarding: bool, columnar: bool, partitions: int, rows: int):
     """A DataFrame of the tagged output rows of every key of the batch, computed on executors in
     ``partitions`` tasks over ranges of keys (``part``: the range, in key order; ``key_ranges``); a ``read`` row
     per range holds the number of stored windows it read (``pane_index``) and of panes it emitted (``seq``).
