@@ -86,6 +86,37 @@ def test_dag_test_runs_one_full_microbatch(settings: Settings, conf_dir: Path,
     assert tables.read_arrow(airflow_env.PIPELINE, "batches").num_rows == 1
 
 
+def test_a_reprocess_run_done_again_keeps_the_batches_after_it(settings: Settings, conf_dir: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs triggered with ``reprocess: true`` (from the UI: no reprocess name in their conf). The first rewinds
+    to before its interval and redoes its batch; the next finds nothing later to rewind and redoes its own. The
+    first done again with its run id (an Airflow retry after its batch committed, or the run cleared) finds its
+    rewind recorded, rewinds nothing and skips: the next run's batch stays. (It used to rewind again, taking
+    that batch away while live runs waited for the reprocess to catch up.)"""
+    dag = get_dag(conf_dir, monkeypatch, "tables_rerun")
+    tables = Tables(settings.with_overrides(table_root="tables_rerun"))
+    p = airflow_env.PIPELINE
+    for i in range(3):
+        run_interval(dag, T0 + i * STEP)
+    first_run_after = datetime.now(UTC)
+
+    def reprocess_run(start: datetime, run_after: datetime) -> None:
+        # ``dag.test`` with the same logical date and run_after: the same run id, as a retry or a clear keeps it
+        dr = dag.test(logical_date=start + STEP, run_after=run_after, run_conf={"demo": True, "reprocess": True})
+        assert str(dr.state) == "success"
+
+    reprocess_run(T0 + STEP, first_run_after)
+    reprocess_run(T0 + 2 * STEP, datetime.now(UTC))
+    names = ("batches", "panes", "current", "windows", "seen_ids")
+    before = {t: sorted_rows(tables.read_arrow(p, t)) for t in names}
+    assert len(before["batches"]) == 3
+    reprocess_run(T0 + STEP, first_run_after)  # the first, done again
+    assert {t: sorted_rows(tables.read_arrow(p, t)) for t in names} == before
+    ops = [json.loads(o["detail"]) for o in tables.read_arrow(p, "operations").sort_by("at").to_pylist()
+           if o["operation"] == "reprocess"]
+    assert [bool(o.get("noop")) for o in ops] == [False, True] and all(o["id"].startswith(dag.dag_id) for o in ops)
+
+
 def test_a_data_docs_upload_failure_keeps_the_committed_batch(settings: Settings, conf_dir: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The one task uploads the Data Docs after the batch committed: a reports bucket that refuses the upload

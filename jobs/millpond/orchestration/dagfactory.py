@@ -348,10 +348,12 @@ def _batch(info: PipelineInfo, s: Settings, context: dict[str, Any], start: date
     from millpond.runtime import catchup, rewind
 
     if _truthy(conf.get("reprocess", params.get("reprocess"))):
-        # a reprocess rewinds once (``millpond backfill --reprocess`` names it): a run done again after later
-        # runs of it committed finds the rewind recorded and its batch committed, and rewinds nothing
-        rewound = rewind.run(s, Tables(s), load_spec(s, name), to_us(start),
-                             by=f"{info.dag_id} run {getattr(run, 'run_id', None)}", reprocess=conf.get("reprocess_id"))
+        # a reprocess rewinds once: a run done again after later runs committed (a retry, a clear) finds its
+        # rewind recorded and its batch committed, and rewinds nothing. ``millpond backfill --reprocess`` names
+        # the whole reprocess; a run started in the UI is named by its DAG run, which a retry or clear keeps
+        run_id = getattr(run, "run_id", None)
+        rewound = rewind.run(s, Tables(s), load_spec(s, name), to_us(start), by=f"{info.dag_id} run {run_id}",
+                             reprocess=conf.get("reprocess_id") or (f"{info.dag_id}/{run_id}" if run_id else None))
         if not rewound.noop:
             log.info("reprocess: %s rewound to batch %s (its later batches are in the tables' history)",
                      name, rewound.to_batch or 0)
