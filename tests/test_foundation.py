@@ -167,26 +167,26 @@ def test_store_down_gives_clear_error_and_restart_keeps_data(tmp_path, tables: T
     s = load_settings(env=env)
     store = EmbeddedStore(s)
     assert store.start() is True
-    assert store.start() is False  # idempotent
-    # every port it listens on is one it was given (the session's store runs too: weed would shift a busy one)
-    pinned = {q for p in s.weed_ports.values() for q in (p, p + 10000)}
-    proc = psutil.Process(int(store.pidfile.read_text()))
-    listening = {c.laddr.port for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
-    assert listening and listening <= pinned, sorted(listening - pinned)
-    Tables(s).append(pipeline_name, "t", pa.table({"k": ["a"]}))
-    assert store.stop() is True
-    assert store.stop() is False
-    with pytest.raises(StoreUnreachable, match="make up"):
-        ObjectStore(s).check()
-    # The CLI prints one line and exits non-zero.
-    proc = subprocess.run(
-        [sys.executable, "-m", "millpond", "check"], capture_output=True, text=True, env={**_base_env(), **env}
-    )
-    assert proc.returncode != 0
-    assert proc.stderr.strip().count("\n") == 0 and "unreachable" in proc.stderr
-    # Restarted on the same data dir: the committed table is still there.
-    store.start()
-    try:
+    try:  # stopped whatever fails (``stop`` is idempotent): no store outlives the test
+        assert store.start() is False  # idempotent
+        # every port it listens on is one it was given (the session's store runs too: weed would shift a busy one)
+        pinned = {q for p in s.weed_ports.values() for q in (p, p + 10000)}
+        proc = psutil.Process(int(store.pidfile.read_text()))
+        listening = {c.laddr.port for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        assert listening and listening <= pinned, sorted(listening - pinned)
+        Tables(s).append(pipeline_name, "t", pa.table({"k": ["a"]}))
+        assert store.stop() is True
+        assert store.stop() is False
+        with pytest.raises(StoreUnreachable, match="make up"):
+            ObjectStore(s).check()
+        # The CLI prints one line and exits non-zero.
+        proc = subprocess.run(
+            [sys.executable, "-m", "millpond", "check"], capture_output=True, text=True, env={**_base_env(), **env}
+        )
+        assert proc.returncode != 0
+        assert proc.stderr.strip().count("\n") == 0 and "unreachable" in proc.stderr
+        # Restarted on the same data dir: the committed table is still there.
+        store.start()
         assert Tables(s).read_arrow(pipeline_name, "t").num_rows == 1
     finally:
         store.stop()
