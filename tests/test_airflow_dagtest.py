@@ -89,14 +89,16 @@ def test_dag_test_runs_one_full_microbatch(settings: Settings, conf_dir: Path,
 def test_a_reprocess_run_done_again_keeps_the_batches_after_it(settings: Settings, conf_dir: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs triggered with ``reprocess: true`` (from the UI: no reprocess name in their conf). The first rewinds
-    to before its interval and redoes its batch; the next finds nothing later to rewind and redoes its own. The
-    first done again with its run id (an Airflow retry after its batch committed, or the run cleared) finds its
-    rewind recorded, rewinds nothing and skips: the next run's batch stays. (It used to rewind again, taking
-    that batch away while live runs waited for the reprocess to catch up.)"""
+    to before its interval and redoes its batch; the next finds nothing later to rewind and redoes its own, and
+    live runs still wait for the rest. The first done again with its run id (an Airflow retry after its batch
+    committed, or the run cleared) finds its rewind recorded, rewinds nothing and skips: the next run's batch
+    stays. (It used to rewind again, taking that batch away while live runs waited for the reprocess.)"""
+    from millpond.runtime import catchup
+
     dag = get_dag(conf_dir, monkeypatch, "tables_rerun")
     tables = Tables(settings.with_overrides(table_root="tables_rerun"))
     p = airflow_env.PIPELINE
-    for i in range(3):
+    for i in range(4):
         run_interval(dag, T0 + i * STEP)
     first_run_after = datetime.now(UTC)
 
@@ -107,6 +109,8 @@ def test_a_reprocess_run_done_again_keeps_the_batches_after_it(settings: Setting
 
     reprocess_run(T0 + STEP, first_run_after)
     reprocess_run(T0 + 2 * STEP, datetime.now(UTC))
+    # the second found nothing to rewind: live runs still wait for the reprocess to redo the fourth interval
+    assert "catching up" in catchup.catching_up(tables, p)
     names = ("batches", "panes", "current", "windows", "seen_ids")
     before = {t: sorted_rows(tables.read_arrow(p, t)) for t in names}
     assert len(before["batches"]) == 3

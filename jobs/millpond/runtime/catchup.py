@@ -55,6 +55,9 @@ def catching_up(tables: Tables, pipeline: str) -> str:
     if not tables.exists(pipeline, "operations"):
         return ""
     ops = tables.read_arrow(pipeline, "operations", schema=OPERATIONS_SCHEMA).sort_by("at").to_pylist()
+    # a reprocess's run that found nothing to rewind (recorded so that a retry of it rewinds nothing) neither
+    # holds live runs nor ends a hold: the runs of a reprocess started in the UI record one each
+    ops = [o for o in ops if not (o["operation"] == "reprocess" and json.loads(o["detail"] or "{}").get("noop"))]
     last_op = json.loads(ops[-1]["detail"] or "{}") if ops else {}
     if not last_op.get("deadline"):
         return ""
