@@ -84,8 +84,7 @@ class Trigger:
 
     # -- state helpers --------------------------------------------------------------------------
     def finished(self, ctx: TriggerContext, path: str) -> bool:
-        node = ctx.state.get(path)
-        return node is not None and bool(node.get("done"))
+        return _done(ctx.state, path)
 
     def set_finished(self, ctx: TriggerContext, path: str) -> None:
         ctx.node(path)["done"] = True
