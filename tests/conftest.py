@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -68,8 +70,11 @@ def free_store_env(home: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def millpond_home() -> Path:
-    return Path(tempfile.mkdtemp(prefix="millpond-test-"))
+def millpond_home() -> Iterator[Path]:
+    """The session's home (store data, logs, Spark scratch), removed after the servers in it have stopped."""
+    home = Path(tempfile.mkdtemp(prefix="millpond-test-"))
+    yield home
+    shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pyarrow as pa
@@ -174,6 +175,9 @@ def test_store_down_gives_clear_error_and_restart_keeps_data(tmp_path, tables: T
         proc = psutil.Process(int(store.pidfile.read_text()))
         listening = {c.laddr.port for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
         assert listening and listening <= pinned, sorted(listening - pinned)
+        # and every data file it keeps is in its own directory (WebDAV's cache went to a new /tmp dir per start)
+        kept = {f.path for f in proc.open_files() if f.path.endswith((".dat", ".idx", ".ldb", "LOCK"))}
+        assert kept and all(Path(f).is_relative_to(store.data_dir) for f in kept), sorted(kept)[:5]
         Tables(s).append(pipeline_name, "t", pa.table({"k": ["a"]}))
         assert store.stop() is True
         assert store.stop() is False

@@ -151,4 +151,7 @@ def test_a_cluster_of_two_workers_matches_the_local_engine_even_when_one_is_kill
         assert cluster.kill_worker(0)
         out, err = client.communicate(timeout=600)
         assert client.returncode == 0 and out.strip().endswith("ok"), err[-3000:]
+        # the archive each executor fetched went to the cluster's home, not to /tmp (where the killed worker's
+        # executor would have left its 200 MB copy)
+        assert list((tmp_path / "spark" / "tmp").glob("spark-*/millpond-executor-*.tar.gz"))
     _compare(tables, local, name)

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -27,9 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    os.environ["HOME"] = tempfile.mkdtemp(prefix="beam-home-")
-    import apache_beam  # noqa: F401 - import cost is not part of the measure
     import beam_runner
+
+    beam_runner.private_home()
+    import apache_beam  # noqa: F401 - import cost is not part of the measure
     import yaml
 
     with open(args.pipeline) as fh:

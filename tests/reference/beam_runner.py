@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import json
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
 from datetime import UTC, datetime, timedelta
@@ -513,6 +515,15 @@ def _make_writer():
     return PaneWriter
 
 
+def private_home() -> str:
+    """Point ``HOME`` at a directory of this process's own, removed when it exits: Beam writes its caches
+    under the home, and a run must neither read another's nor leave its own behind."""
+    home = tempfile.mkdtemp(prefix="beam-home-")
+    os.environ["HOME"] = home
+    atexit.register(shutil.rmtree, home, True)
+    return home
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pipeline", required=True)
@@ -527,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if not os.environ.get("MILLPOND_BEAM_KEEP_HOME"):
-        os.environ["HOME"] = tempfile.mkdtemp(prefix="beam-home-")
+        private_home()
     import yaml
 
     try:

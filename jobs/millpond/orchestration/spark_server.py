@@ -53,11 +53,20 @@ def spark_env(settings: Settings) -> dict[str, str]:
         "SPARK_LOCAL_IP": "127.0.0.1",
         "SPARK_LOG_DIR": str(settings.home / "log"),
         "SPARK_WORKER_DIR": str(settings.home / "spark" / "work"),
+        # scratch of every JVM (a standalone worker's executors too): under the home, not /tmp, where the
+        # directories of an executor that did not exit cleanly would stay
+        "SPARK_LOCAL_DIRS": str(settings.home / "spark" / "local"),
         # executors import millpond from this checkout, installed or not
         "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
                                                     os.environ.get("PYTHONPATH")])),
     })
     return env
+
+
+def java_tmp(settings: Settings) -> Path:
+    """``java.io.tmpdir`` of the JVMs we start: Spark copies archives it ships and native libraries there and
+    removes the copies only when the JVM exits cleanly, so they stay under the home, not in /tmp."""
+    return settings.home / "spark" / "tmp"
 
 
 def stack_token(settings: Settings) -> str:
@@ -154,6 +163,7 @@ class SparkConnectServer:
             "spark.jars.ivy": home / "spark" / "ivy",
             "spark.local.dir": home / "spark" / "local",
             "spark.sql.warehouse.dir": home / "spark" / "warehouse",
+            "spark.driver.extraJavaOptions": f"-Djava.io.tmpdir={java_tmp(s)}",
             **self.executor_conf(),
         }
         args = [str(spark_home() / "bin" / "spark-submit"), "--master", self.master, "--name", "millpond-connect"]
@@ -184,7 +194,7 @@ class SparkConnectServer:
             if not port_free(port):
                 var = "MILLPOND_SPARK_CONNECT_PORT" if name == "Spark Connect" else "MILLPOND_SPARK_UI_PORT"
                 raise PrerequisiteMissing(f"port {port} ({name}) is in use by another program: stop it or set {var}")
-        for sub in ("spark/ivy", "spark/local", "spark/warehouse", "log"):
+        for sub in ("spark/ivy", "spark/local", "spark/warehouse", "spark/tmp", "log"):
             (self.settings.home / sub).mkdir(parents=True, exist_ok=True)
         # the token through the environment (owner-only in /proc), not a --conf: every local user sees argv
         env = spark_env(self.settings) | {"SPARK_CONNECT_AUTHENTICATE_TOKEN": stack_token(self.settings)}
@@ -236,6 +246,8 @@ class StandaloneCluster:
         # as on another host: no path to this checkout or its interpreter (executors get the shipped environment)
         env = {k: v for k, v in spark_env(self.settings).items()
                if k not in ("PYTHONPATH", "PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "VIRTUAL_ENV")}
+        # the daemons and the executors they launch (which inherit it): archives fetched, native libraries
+        env["JAVA_TOOL_OPTIONS"] = f"-Djava.io.tmpdir={java_tmp(self.settings)}"
         with open(log, "ab") as out:
             proc = subprocess.Popen([str(spark_home() / "bin" / "spark-class"), cls, *args], stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -245,7 +257,8 @@ class StandaloneCluster:
     def start(self, timeout: float = 90.0) -> str:
         """Start the master and the workers; wait until every worker has registered. Returns the master URL."""
         require_java()
-        (self.settings.home / "spark" / "work").mkdir(parents=True, exist_ok=True)
+        for sub in ("work", "local", "tmp"):
+            (self.settings.home / "spark" / sub).mkdir(parents=True, exist_ok=True)
         ui = free_port()
         self._launch("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                      "--port", str(self.master_port), "--webui-port", str(ui))

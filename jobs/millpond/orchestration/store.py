@@ -63,15 +63,25 @@ class EmbeddedStore:
     def command(self) -> list[str]:
         p = self.ports
         return [
-            weed_binary(), "mini", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            "-admin.ui=false", "-master.telemetry=false",
+            # its own log files (glog's, besides the output in ``weed.log``) with its log, not in /tmp
+            weed_binary(), f"-logdir={self.logfile.parent}", "mini", f"-dir={self.data_dir}",
+            "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false", "-master.telemetry=false",
             f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3'] + 10000}",
             f"-master.port={p['master']}", f"-master.port.grpc={p['master'] + 10000}",
             f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume'] + 10000}",
             f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer'] + 10000}",
             f"-webdav.port={p['webdav']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             f"-admin.port={p['admin']}", f"-admin.port.grpc={p['admin'] + 10000}",
+            # WebDAV's chunk cache defaults to a new directory in /tmp per start, never removed
+            f"-webdav.cacheDir={self.data_dir / 'webdav-cache'}",
+            *self._s3_socket(),
         ]
+
+    def _s3_socket(self) -> list[str]:
+        """The S3 gateway's local socket in the data directory: its default, ``/tmp/seaweedfs-s3-<port>.sock``,
+        outlives the store. Kept at the default when the path would pass the 107 bytes a socket path may have."""
+        path = self.data_dir / "s3.sock"
+        return [f"-s3.localSocket={path}"] if len(str(path)) < 100 else []
 
     def start(self, timeout: float = 60.0) -> bool:
         """Start if not running (idempotent); wait until S3 answers; create buckets. True if started."""
