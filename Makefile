@@ -10,14 +10,14 @@ ASSETS_STAMP := $(ASSETS)/.installed
 #: `make test`'s parallel workers (pytest-xdist): a module runs whole on one of them
 TEST_WORKERS ?= 2
 
-.PHONY: run test test-unit soak browser postgresql venv up down status lint bench query report docs backfill clean datadocs-assets
+.PHONY: run test test-unit soak browser postgresql reference-envs venv up down status lint bench query report docs backfill clean datadocs-assets
 
 run: venv ## set everything up and run the main job on the embedded defaults
 	@$(MILLPOND) preflight
 	@$(MILLPOND) up
 	@$(MILLPOND) run
 
-test: venv browser postgresql ## the whole suite (real S3 server, Delta tables, Spark, Airflow, a browser), TEST_WORKERS at once
+test: venv browser postgresql reference-envs ## the whole suite (real S3 server, Delta tables, Spark, Airflow, a browser), TEST_WORKERS at once
 	$(VENV)/bin/ruff check jobs dags tests bench
 	$(PY) -m pytest -n $(TEST_WORKERS)
 
@@ -38,6 +38,10 @@ postgresql: ## Debian's PostgreSQL binaries for the Airflow-on-PostgreSQL test (
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; } ; } || \
 	  echo "millpond: PostgreSQL not found: tests/test_airflow_postgres.py will skip (Debian: sudo apt-get install -y postgresql)"
+
+reference-envs: venv ## the Beam and Flink peers' own virtualenvs (var/), built once per pin before the suite
+	@$(PY) tests/reference/beam_env.py >/dev/null || echo "millpond: the Beam reference venv was not built: its tests say why"
+	@$(PY) tests/reference/flink_env.py >/dev/null || echo "millpond: the Flink reference venv was not built: its test says why"
 
 venv: $(STAMP) $(ASSETS_STAMP)
 

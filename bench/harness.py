@@ -394,6 +394,9 @@ class Bench(SparkEngineMeasures, SparkPeerMeasures, LakeBytesMeasures, EnginesAg
     _workloads: dict[str, Workload] = field(default_factory=dict)
     #: the Spark Connect server of the Spark-engine measures (``bench.spark_engine``), started on first use
     connect_server: Any = None
+    #: or the URL of a running one the bench uses and leaves running (the test suite's, whose clients hold the
+    #: settings' token): no server of its own, no warm-up batch
+    connect_borrowed: str | None = None
 
     def __post_init__(self) -> None:
         # the engine's default path: Spark for batches of SPARK_FROM_BYTES of landing files or more, in-process below
@@ -1044,11 +1047,9 @@ class Bench(SparkEngineMeasures, SparkPeerMeasures, LakeBytesMeasures, EnginesAg
             return
         # the product path: the same DAG on the Spark engine, its tasks Connect clients of the bench's server
         url = self.connect_url()
-        from millpond.orchestration.spark_server import stack_token
-
         self.log(f"Airflow DAG runs: {runs} x {n} demo events, the Spark engine against {url}")
         spark = airflow_dag.measure(self.settings, self.workdir, n, runs, self.log, engine="spark", connect_url=url,
-                                    connect_token=stack_token(self.connect_server.settings))
+                                    connect_token=self.connect_token())
         self.measures["airflow_dag_run_spark_engine"] = spark
         self.record(f"airflow_dag_run_{_size(n)}_spark_engine_s", spark["median_run_start_to_marker_s"],
                     res["median_run_start_to_marker_s"], "the same DAG's runs with the in-process engine, this run "
@@ -1242,10 +1243,12 @@ def write_readme_table(doc: dict[str, Any], readme: Path = README) -> None:
 
 
 def run_bench(settings: Settings, plan: Plan, spark, workdir: Path, log: Callable[[str], None] = print,
-              exclude_root: Callable[[], int | None] = lambda: None, steps: list[str] | None = None) -> dict:
-    """Run the plan against a running store and SparkSession; return the results document."""
+              exclude_root: Callable[[], int | None] = lambda: None, steps: list[str] | None = None,
+              connect_url: str | None = None) -> dict:
+    """Run the plan against a running store and SparkSession; return the results document. ``connect_url``: a
+    running Connect server for the Spark-engine measures (else the bench starts its own)."""
     sampler = MemorySampler(exclude_root).start()
-    bench = Bench(settings, plan, spark, workdir, log=log, sampler=sampler)
+    bench = Bench(settings, plan, spark, workdir, log=log, sampler=sampler, connect_borrowed=connect_url)
     info = machine()
     started = time.perf_counter()
     try:

@@ -64,6 +64,8 @@ class SparkEngineMeasures:
     def connect_url(self) -> str:
         """The bench's Connect server (started and warmed on first use)."""
         server: SparkConnectServer | None = self.connect_server
+        if server is None and self.connect_borrowed:
+            return self.connect_borrowed
         if server is None:
             home = self.workdir / "spark-connect"
             home.mkdir(parents=True, exist_ok=True)
@@ -86,6 +88,13 @@ class SparkEngineMeasures:
         self.client({"mode": "batches", "pipelines": [self._doc("sessions", wl)], "steps": self._steps(wl, [0])},
                     url=url)
         self.log(f"  warm-up batch in a fresh client: {time.perf_counter() - t:.1f}s")
+
+    def connect_token(self) -> str:
+        """The token clients of the bench's server present: its own server's, or the borrowed one's (the
+        settings')."""
+        if self.connect_server is not None:
+            return stack_token(self.connect_server.settings)
+        return self.settings.spark_connect_token
 
     def close_connect_server(self) -> None:
         if self.connect_server is not None:
@@ -111,8 +120,8 @@ class SparkEngineMeasures:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(millpond.__file__).resolve().parents[1]),
                                                           str(BENCH_ROOT), env.get("PYTHONPATH")]))
-        if self.connect_server is not None:  # the bench's server serves only holders of its token, as the stack's
-            env["MILLPOND_SPARK_CONNECT_TOKEN"] = stack_token(self.connect_server.settings)
+        if self.connect_token():  # the bench's server serves only holders of its token, as the stack's
+            env["MILLPOND_SPARK_CONNECT_TOKEN"] = self.connect_token()
         spawned = time.time()
         proc = subprocess.run([sys.executable, "-m", "bench.connect_client", str(req), str(out)], env=env,
                               cwd=BENCH_ROOT, capture_output=True, text=True, timeout=timeout)

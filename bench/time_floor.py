@@ -19,7 +19,6 @@ from typing import Any
 
 import pyarrow.json as pjson
 from millpond.lake.landing import parse_file_table
-from millpond.orchestration.spark_server import stack_token
 
 #: runs of each side; the fastest counts
 RUNS = 2
@@ -59,9 +58,10 @@ class TimeFloorMeasures:
 
     def spark_read(self, src: Path) -> list[dict[str, Any]]:
         """Bare Spark's own read of the local copy on the bench's Connect server, in a client of its own."""
+        url = self.connect_url()
         env = dict(os.environ)
-        env["MILLPOND_SPARK_CONNECT_TOKEN"] = stack_token(self.connect_server.settings)
-        proc = subprocess.run([sys.executable, "-c", SPARK_READ, self.connect_url(), str(src), str(RUNS)], env=env,
+        env["MILLPOND_SPARK_CONNECT_TOKEN"] = self.connect_token()
+        proc = subprocess.run([sys.executable, "-c", SPARK_READ, url, str(src), str(RUNS)], env=env,
                               capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"Spark read failed: {proc.stderr.strip().splitlines()[-1:]}")

@@ -1,5 +1,5 @@
-"""Shared fixtures: a real SeaweedFS S3 server on free loopback ports, real Delta tables, a real
-SparkSession. Every process a fixture starts, it stops."""
+"""Shared fixtures: a real SeaweedFS S3 server on free loopback ports, real Delta tables, a real Spark
+Connect server and a client session of it. Every process a fixture starts, it stops."""
 
 from __future__ import annotations
 
@@ -106,10 +106,12 @@ def tables(settings: Settings) -> Tables:
 
 
 @pytest.fixture(scope="session")
-def spark(settings: Settings):
-    from millpond.runtime.engines.spark_session import get_spark
+def spark(settings: Settings, spark_connect):
+    """A Spark Connect client of the session's server, in this process: the product's path (a DAG task's
+    session), and no second JVM beside the server's."""
+    from millpond.runtime.engines.spark_client import connect
 
-    session = get_spark(settings, app_name="millpond-tests", shuffle_partitions=2)
+    session = connect(settings.with_overrides(spark_connect=spark_connect.url))
     yield session
     session.stop()
 

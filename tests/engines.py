@@ -2,8 +2,8 @@
 pipeline's tables across engines.
 
 A scenario test is parametrised by ``engine`` (``ENGINES``: the local engine, in this process or a command's,
-and the Spark engine: the session's classic ``spark`` fixture in this process, or a Connect client of the
-session's ``spark_connect`` server in a command's process, as an Airflow task is). Each scenario checks its
+and the Spark engine: a Connect client of the session's ``spark_connect`` server, in this process (the
+``spark`` fixture) or in a command's process, as an Airflow task is). Each scenario checks its
 tables against an uninterrupted local run with ``same_tables`` / ``snapshot``: whatever the engine, and whatever
 happened on the way (a SIGKILL, a second run, a store stopped or frozen), the tables are the local engine's:
 every row of panes, current, windows, seen_ids, late, quarantine, ingest_log and the markers, apart from the

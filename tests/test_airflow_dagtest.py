@@ -35,7 +35,7 @@ def get_dag(conf_dir: Path, monkeypatch: pytest.MonkeyPatch, table_root: str):
 
     monkeypatch.setenv("MILLPOND_CONF_DIR", str(conf_dir))
     monkeypatch.setenv("MILLPOND_TABLE_ROOT", table_root)
-    monkeypatch.setenv("MILLPOND_ENGINE", "local")  # in-process: this test process may hold a classic Spark session
+    monkeypatch.setenv("MILLPOND_ENGINE", "local")  # in-process: the Spark engine's DAG runs are test_lineage's
     airflow_env.reset_db()
     bag = DagBag(dag_folder=str(airflow_env.DAGS))
     assert bag.import_errors == {}

@@ -4,7 +4,7 @@ leaves no thread behind; once the store answers again, the rerun converges to an
 The store is a SeaweedFS server of the test's own, paused with SIGSTOP (it keeps accepting connections and
 answers nothing: the case a timeout on connecting does not catch) at the moment the batch's progress log
 says a step started. Also: the progress log names each step of a batch as it starts and ends. On either engine
-(``tests/engines.py``): on Spark (the session's classic ``spark``), frozen in its reads the batch is the
+(``tests/engines.py``): on Spark (the session's ``spark``, a Connect client), frozen in its reads the batch is the
 multi-stage plan (the other batches one task each), whose executors wait on the store; frozen in its commits,
 one Spark task.
 """

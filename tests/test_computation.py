@@ -430,19 +430,20 @@ def test_zeitgeist_quiet_on_steady_traffic() -> None:
     assert fired == 6 * (360 - 5) and produced == []
 
 
-#: a batch on the Spark engine in a process of its own (a local Spark of its own), killed by MILLPOND_CRASH_AFTER
+#: a batch on the Spark engine in a process of its own (a Connect client of the session's server, as an Airflow
+#: task is), killed by MILLPOND_CRASH_AFTER
 SPARK_CLIENT = """
 import json, sys
 from millpond.config import load_settings
 from millpond.model.spec import pipeline_from_dict
-from millpond.runtime.engines.spark_session import get_spark
+from millpond.runtime.engines.spark_client import connect
 from millpond.runtime.job import run_batch
-settings = load_settings().with_overrides(engine="spark", engine_local_below=0)
-run_batch(settings, pipeline_from_dict(json.loads(sys.argv[1])), sys.argv[2], spark=get_spark(settings))
+settings = load_settings().with_overrides(engine="spark", engine_local_below=0, spark_connect=sys.argv[3])
+run_batch(settings, pipeline_from_dict(json.loads(sys.argv[1])), sys.argv[2], spark=connect(settings))
 """
 
 
-def test_zeitgeist_on_spark_killed_retried_and_validated_equals_the_local_run(settings, tables, spark,
+def test_zeitgeist_on_spark_killed_retried_and_validated_equals_the_local_run(settings, tables, spark, spark_connect,
                                                                               zeitgeist_reference) -> None:
     """Zeitgeist on the Spark engine, its second batch SIGKILLed right after its copy-on-write ``comp_state``
     commit, then retried as a DAG run does it (validated: its anomalies on Great Expectations' Spark engine). The
@@ -453,7 +454,7 @@ def test_zeitgeist_on_spark_killed_retried_and_validated_equals_the_local_run(se
     chosen = settings.with_overrides(engine="spark", engine_local_below=0)
     spec = pipeline_from_dict(zeitgeist_doc(name))
     first = run_batch(chosen, spec, T0 + timedelta(minutes=1), spark=spark)
-    crashed = subprocess.run([sys.executable, "-c", SPARK_CLIENT, json.dumps(spec.raw), iso(at(2))],
+    crashed = subprocess.run([sys.executable, "-c", SPARK_CLIENT, json.dumps(spec.raw), iso(at(2)), spark_connect.url],
                              env={**os.environ, "MILLPOND_CRASH_AFTER": "comp_state"}, capture_output=True, text=True,
                              timeout=600)
     assert crashed.returncode == -9, crashed.stderr[-2000:]

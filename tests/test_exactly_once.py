@@ -2,7 +2,8 @@
 two concurrent runs. After recovery every table equals the one an uninterrupted run produced, on either engine:
 the local engine's and the Spark engine's tables are the same (``tests/engines.py``). On Spark, a command is a
 Spark Connect client of the session's server (``spark_connect``), as an Airflow task is, and what is killed is
-that client; the in-process tests use the session's classic ``spark``."""
+that client; the in-process tests use the session's ``spark`` (a Connect client of that server in this
+process)."""
 
 from __future__ import annotations
 

@@ -178,10 +178,6 @@ def test_a_batch_emits_start_and_complete_with_its_datasets_and_facets(
     task's START and COMPLETE, and its Spark job's, whose parent is the task's run and whose root the DAG run."""
     import millpond.runtime.engines as engines
 
-    # a Connect session in this process sets SPARK_CONNECT_MODE_ENABLED, which switches pyspark's functions to
-    # Connect's for every later test of this worker (their classic session then fails): restored at the end
-    monkeypatch.setenv("SPARK_CONNECT_MODE_ENABLED", "")  # recorded as it was (unset), then unset for the test
-    monkeypatch.delenv("SPARK_CONNECT_MODE_ENABLED")
     sessions = []
     choose = engines.choose
 

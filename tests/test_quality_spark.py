@@ -232,7 +232,7 @@ def test_spark_connect_client_validates_like_local_batches(settings, tables, spa
     """As an Airflow task does: a Spark Connect client (its own process, no JVM) runs the paper's Figure 14
     (sessions, early panes, retractions against earlier batches' panes) with validate=True against a Connect
     server (the session's); GX validates the Connect DataFrames with the local engine's outcomes batch by batch,
-    every result stored. (The classic session's validation:
+    every result stored. (The same in this process, through the session's ``spark``:
     ``test_a_critical_failure_stops_the_batch_before_any_commit``.)"""
     import os
     import subprocess
@@ -300,37 +300,25 @@ def test_a_critical_failure_stops_the_batch_before_any_commit(settings, tables, 
 
 @contextlib.contextmanager
 def rows_to_python() -> Iterator[list[tuple[str, int]]]:
-    """Count the rows each call hands to Python, by every way a classic DataFrame (or its RDD) does:
-    ``collect`` (``take``, ``head``, ``first``), Arrow (``toArrow``, ``toPandas``), ``tail``,
-    ``toLocalIterator`` (counted as it is consumed)."""
-    from pyspark.core.rdd import RDD
-    from pyspark.sql.classic.dataframe import DataFrame
+    """Count the rows each call hands to Python: every result a Spark Connect client fetches (``collect``,
+    ``take``, ``toArrow``, ``toPandas``, ``tail``, ``toLocalIterator``) streams through the client's
+    ``_execute_and_fetch_as_iterator`` as Arrow batches."""
+    import pyarrow as pa
+    from pyspark.sql.connect.client.core import SparkConnectClient
 
     calls: list[tuple[str, int]] = []
+    original = SparkConnectClient._execute_and_fetch_as_iterator
 
-    def counted(cls, method: str, count):
-        original = getattr(cls, method)
-
-        def wrapper(self, *args, **kwargs):
-            out = original(self, *args, **kwargs)
-            if method == "toLocalIterator":
-                return _counting_iter(out)
-            calls.append((f"{cls.__name__}.{method}", count(out)))
-            return out
-        return wrapper
-
-    def _counting_iter(it):
+    def counted(self, *args, **kwargs):
         n = 0
-        for row in it:
-            n += 1
-            yield row
-        calls.append(("DataFrame.toLocalIterator", n))
+        for item in original(self, *args, **kwargs):
+            if isinstance(item, pa.RecordBatch | pa.Table):
+                n += item.num_rows
+            yield item
+        calls.append(("fetch", n))
 
-    probes = [(DataFrame, "collect", len), (DataFrame, "_collect_as_arrow", lambda bs: sum(b.num_rows for b in bs)),
-              (DataFrame, "tail", len), (DataFrame, "toLocalIterator", None), (RDD, "collect", len)]
     with pytest.MonkeyPatch.context() as m:
-        for cls, method, count in probes:
-            m.setattr(cls, method, counted(cls, method, count))
+        m.setattr(SparkConnectClient, "_execute_and_fetch_as_iterator", counted)
         yield calls
 
 

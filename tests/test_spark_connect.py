@@ -1,9 +1,8 @@
 """The stack's warm Spark: a Connect server from pyspark's jars on loopback, tasks as clients; a stopped
 server is one line that names `make up`; only clients with the stack's token run code on it; the commands
 (`millpond batch`, `millpond replay`) are its clients when the deployment's engine is spark. Clients run in
-their own process, as Airflow tasks do (a process with a classic Spark session, like this test run's, cannot
-open a Connect session). The module starts one server (``connect_server``): the commands' test uses it, then
-the server's life test ends it."""
+their own process, as Airflow tasks do. The module starts one server (``connect_server``): the commands' test
+uses it, then the server's life test ends it."""
 
 from __future__ import annotations
 

@@ -247,7 +247,8 @@ class StandaloneCluster:
         env = {k: v for k, v in spark_env(self.settings).items()
                if k not in ("PYTHONPATH", "PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "VIRTUAL_ENV")}
         # the daemons and the executors they launch (which inherit it): archives fetched, native libraries
-        env["JAVA_TOOL_OPTIONS"] = f"-Djava.io.tmpdir={java_tmp(self.settings)}"
+        env["JAVA_TOOL_OPTIONS"] = " ".join(filter(None, [env.get("JAVA_TOOL_OPTIONS"),
+                                                          f"-Djava.io.tmpdir={java_tmp(self.settings)}"]))
         with open(log, "ab") as out:
             proc = subprocess.Popen([str(spark_home() / "bin" / "spark-class"), cls, *args], stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
