@@ -212,13 +212,9 @@ def test_a_batch_emits_start_and_complete_with_its_datasets_and_facets(
     assert quality["validated"] is True and quality["ok"] is True, quality
     assert "millpond_batch" not in start["run"]["facets"]
     # the Spark session got the provider's parent properties: this task's run
-    (session,) = sessions
-    try:
-        confs = {k: session.conf.get(k) for k in ("spark.openlineage.parentRunId",
-                                                  "spark.openlineage.parentJobName",
-                                                  "spark.openlineage.parentJobNamespace")}
-    finally:
-        session.stop()
+    (session,) = sessions  # the process's session for that endpoint (``spark_client.connect``): left open
+    confs = {k: session.conf.get(k) for k in ("spark.openlineage.parentRunId", "spark.openlineage.parentJobName",
+                                              "spark.openlineage.parentJobNamespace")}
     assert confs["spark.openlineage.parentRunId"] == complete["run"]["runId"], confs
     assert confs["spark.openlineage.parentJobName"] == JOB
     assert confs["spark.openlineage.parentJobNamespace"] == complete["job"]["namespace"]

@@ -118,7 +118,19 @@ def connect_server(settings, tmp_path_factory):
                                     spark_master="local[2]", spark_connect_token="")
     server = SparkConnectServer(local)
     down = _client(local.spark_connect_url)
-    started = server.start()
+    # started from a process that is a Connect client itself (as this test run is, or a shell set up for a remote
+    # Spark): the driver must not take those variables for its own and exit at start
+    client_vars = {"SPARK_CONNECT_MODE_ENABLED": "1", "SPARK_REMOTE": "sc://127.0.0.1:1"}
+    saved = {k: os.environ.get(k) for k in client_vars}
+    os.environ.update(client_vars)
+    try:
+        started = server.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     try:
         yield SimpleNamespace(settings=local, server=server, down=down, started=started)
     finally:

@@ -43,9 +43,15 @@ def spark_home() -> Path:
     return Path(pyspark.__file__).resolve().parent
 
 
+#: a Spark Connect client's variables: a process that opened a Connect session (or a shell set up for a remote
+#: Spark) has them, and a driver started with them takes itself for a client and exits at start
+CLIENT_VARIABLES = ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE", "SPARK_LOCAL_REMOTE")
+
+
 def spark_env(settings: Settings) -> dict[str, str]:
-    """Environment of every Spark JVM we start: the project's interpreter for Python workers, loopback."""
-    env = dict(os.environ)
+    """Environment of every Spark JVM we start: the project's interpreter for Python workers, loopback; no
+    Connect client's variables."""
+    env = {k: v for k, v in os.environ.items() if k not in CLIENT_VARIABLES}
     env.update({
         "SPARK_HOME": str(spark_home()),
         "PYSPARK_PYTHON": sys.executable,
