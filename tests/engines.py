@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -179,24 +180,49 @@ class ConnectServer:
     ui_url: str
     #: the server's Spark application, as its UI names it
     app: str | None = None
+    #: the latest job id ``last_job`` found
+    last: int | None = None
 
     def _get(self, path: str):
         with urllib.request.urlopen(f"{self.ui_url}/api/v1/{path}", timeout=30) as resp:
             return json.loads(resp.read())
 
-    def running_jobs(self) -> int:
-        """The Spark jobs the server is running now (from its UI's REST API: its listener lags a job's start
-        by milliseconds)."""
+    def _app(self) -> str:
         if self.app is None:
             self.app = self._get("applications")[0]["id"]
-        return len(self._get(f"applications/{self.app}/jobs?status=running"))
+        return self.app
 
-    def wait_for_a_job(self, timeout: float = 60.0) -> bool:
-        """Return as soon as the server runs a job (True), or after ``timeout`` (False). Polled back to back:
-        a small batch's jobs last a fraction of a second."""
+    def _job_exists(self, job: int) -> bool:
+        try:
+            self._get(f"applications/{self._app()}/jobs/{job}")
+            return True
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404:
+                raise
+            return False
+
+    def last_job(self) -> int:
+        """The id of the latest Spark job the server has started (-1: none yet): listed once, then found by
+        looking ids up upward from the last one known (a listing of every job the UI keeps takes long on a warm
+        server, long enough for a small batch's jobs to start and end meanwhile)."""
+        if self.last is None:
+            self.last = max((j["jobId"] for j in self._get(f"applications/{self._app()}/jobs")), default=-1)
+        lo, step = self.last, 1
+        while self._job_exists(lo + step):
+            lo, step = lo + step, step * 2
+        hi = lo + step
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self._job_exists(mid) else (lo, mid)
+        self.last = lo
+        return lo
+
+    def wait_for_a_job(self, after: int, timeout: float = 60.0) -> bool:
+        """Return as soon as the server has started a job later than job ``after`` (True), or after ``timeout``
+        (False): that one job looked up by its id (the UI's listener lags a job's start by milliseconds)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.running_jobs():
+            if self._job_exists(after + 1):
                 return True
             time.sleep(0.005)
         return False

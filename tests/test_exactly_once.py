@@ -130,19 +130,24 @@ def test_sigkill_at_random_points_then_retry_converges(settings, tables, referen
         # kill 0.2 s after 'commit started' came once after batch 3 had committed whole)
         delay = rng.uniform(0.0, 0.2 if engine == "spark" and trigger != "commit started" else 0.05)
         errors = tmp_path / f"client-{n}.err"  # a file: a pipe nobody reads could stall the client
+        if connect is not None:
+            connect.last_job()  # the one listing of the server's jobs, while none of this client's runs
         with errors.open("w") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         try:
-            seen = []
+            seen, last = [], None
+            on_server = connect is not None and trigger != "commit started"
             for line in proc.stdout:
                 seen.append(line.rstrip())
+                if on_server and line.startswith(f"{name} batch 3: plan done"):
+                    last = connect.last_job()  # before any job of batch 3 starts
                 if line.startswith(f"{name} batch 3: {trigger}"):
                     break
             else:
                 pytest.fail(f"no '{trigger}' in batch 3's progress: {seen[-20:]} {errors.read_text()[-2000:]}")
             time.sleep(delay)
             # on Spark, before the commits: at the first moment after that a job of the batch runs on the server
-            in_job = connect.wait_for_a_job(60.0) if connect is not None and trigger != "commit started" else None
+            in_job = connect.wait_for_a_job(last, 60.0) if on_server else None
             proc.kill()
             proc.wait(timeout=60)
         finally:
