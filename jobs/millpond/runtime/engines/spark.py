@@ -52,13 +52,14 @@ class SparkEngine(Engine):
         self.input_rows = input_rows
 
     def strategy(self, job: BatchContext, work: BatchWork, rows: int | None = None) -> str:
-        """One task below ``engine.one_task_below`` rows (``rows``, else ``batch_rows``) when not validated
-        (validation runs Great Expectations' Spark engine on the plan's DataFrames); else the plan. A MillWheel
-        computation's batch is always a plan of its own (``spark_computation``)."""
+        """One task below ``engine.one_task_below`` rows (``rows``, else ``batch_rows``), validated or not (a
+        validated one task hands its rows to the client, where the local engine's suites validate them: rows
+        bounded by that threshold); else the plan. A MillWheel computation's batch is always a plan of its own
+        (``spark_computation``)."""
         if job.kind == "computation":
             return PLAN
         small = (batch_rows(job, work, self.input_rows) if rows is None else rows) < job.settings.engine_one_task_below
-        return ONE_TASK if small and not job.validate else PLAN
+        return ONE_TASK if small else PLAN
 
     def run(self, job: BatchContext, work: BatchWork, timer: PhaseTimer) -> Outputs:
         from millpond.runtime.engines import spark_batch, spark_task  # pyspark is imported by Spark batches only

@@ -8,10 +8,16 @@ its rows. Below ``engine.one_task_below`` rows (the files' events, estimated fro
 windows) the batch is one Spark job of one task instead. Reads and writes stay on the executor; the client
 holds the file list and a few counts. Tables kept by MERGE on the local engine (``windows``, ``current``) are
 rewritten copy-on-write, as by the plan. Both give the local engine's tables (``tests/test_cores.py``).
+
+A validated batch (every DAG run's) is one task too: the task also returns the rows the suites read (the
+accepted elements, the panes, the state; at most about ``engine.one_task_below`` of each), and the client
+validates them with the local engine's suites (GX's pandas engine) before it queues a commit. On the plan,
+Great Expectations' Spark engine runs 3-6 Spark jobs per suite, seconds whatever the batch's size.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import time
@@ -65,6 +71,8 @@ class TaskInput:
     #: the current view's data files at ``current_version`` (URI, partition values) and its schema
     current: list[tuple[str, dict[str, Any]]]
     current_schema: pa.Schema | None
+    #: a validated batch: the task also returns what the suites read (``FRAMES``), for the client to validate
+    validate: bool = False
 
 
 class _NoCommits:
@@ -130,6 +138,9 @@ def run_task(given: TaskInput, batches: Iterable[pa.RecordBatch]) -> Iterator[pa
     lap("windowing")
     written, changed, touched = _write(job, given, out, bad, accepted, kept)
     lap("write")
+    if given.validate:
+        written += frame_rows({"accepted": accepted.select(["id", "key", "value", "event_time"]),
+                               "panes": out.panes, "state": out.state})
     meta = {"watermark": clock.watermark, "max_event_time": max_et, "changed": sorted(changed),
             "touched": sorted(touched),
             "seen_replaced": kept is not None and accepted.num_rows > 0, "phases": phases,
@@ -217,6 +228,32 @@ def _current(job: TaskBatch, given: TaskInput, rows: pa.Table, touched: set[tupl
         [(k, "ascending") for k in (*CURRENT_PARTITIONS, *on)])
 
 
+#: the tag of a row carrying part of a frame the suites read (``frame_rows``): ``<FRAME><name>``
+FRAME = "frame:"
+#: the base64 characters of an encoded frame per row (rows, not one cell: each stays within the result's batches)
+FRAME_CHUNK = 1 << 20
+
+
+def frame_rows(frames: dict[str, pa.Table]) -> list[tuple[str, str]]:
+    """Tables as ``WRITTEN`` rows: each one's Arrow IPC stream, base64, in chunks of FRAME_CHUNK characters."""
+    out = []
+    for name, table in frames.items():
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        text = base64.b64encode(sink.getvalue().to_pybytes()).decode()
+        out += [(FRAME + name, text[i:i + FRAME_CHUNK]) for i in range(0, max(1, len(text)), FRAME_CHUNK)]
+    return out
+
+
+def read_frames(rows: list[tuple[str, str]]) -> dict[str, pa.Table]:
+    """``frame_rows``' tables back (its rows in the order they were made)."""
+    parts: dict[str, list[str]] = {}
+    for tag, text in rows:
+        parts.setdefault(tag[len(FRAME):], []).append(text)
+    return {name: pa.ipc.open_stream(base64.b64decode("".join(texts))).read_all() for name, texts in parts.items()}
+
+
 # on the client --------------------------------------------------------------------------------------------------
 def run_one_task(job: BatchContext, work: BatchWork, timer: PhaseTimer
                  ) -> tuple[dict[str, int], BatchClock, int | None]:
@@ -229,20 +266,30 @@ def run_one_task(job: BatchContext, work: BatchWork, timer: PhaseTimer
     given = TaskInput(job.settings, job.spec.raw, work.batch, the_plan, work.prev, work.w_in, processing_time,
                       work.watermark,
                       [] if current is None else data_files(current),
-                      None if current is None else table_schema(current))
+                      None if current is None else table_schema(current), validate=job.validate)
     task = functools.partial(run_task, given)
     with watched(job.spark, job.settings.spark_connect_url, job.settings.spark_timeout_s):
         rows = job.spark.range(0, 1, 1, 1).mapInArrow(task, spark_io.spark_schema(spark_io.WRITTEN)).collect()
     written: dict[str, list[dict[str, Any]]] = {}
     meta: dict[str, Any] = {}
+    frames = []
     for r in rows:
-        if r["tbl"]:
+        if r["tbl"].startswith(FRAME):
+            frames.append((r["tbl"], r["action"]))
+        elif r["tbl"]:
             written.setdefault(r["tbl"], []).append(json.loads(r["action"]))
         else:
             meta = json.loads(r["action"])
     timer.split("spark_task", meta["phases"], tasks=1)
     clock = BatchClock(batch=work.batch, processing_time=processing_time, input_watermark=work.w_in,
                        watermark=meta["watermark"])
+    if job.validate:  # the local engine's suites on the task's rows, before any commit is queued
+        from millpond.runtime.steps.validate import validate
+
+        got = read_frames(frames)
+        timer.begin("validation")
+        validate(job, work.batch, clock, got["accepted"], got["panes"], got["state"])
+        timer.lap("validation")
     job.commits.defer()
     _queue_commits(job, txn, the_plan, written, meta, current)
     counts = {"files": len(the_plan["files"]), **meta["counts"]}
