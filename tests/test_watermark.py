@@ -16,7 +16,7 @@ from millpond.model.spec import pipeline_from_dict
 from millpond.model.timeutil import US, to_us
 from millpond.model.watermark import WatermarkPolicy, advance
 from millpond.runtime.job import run_batch
-from millpond.runtime.steps.dedup import SEEN_FOLD_OVER_FILES
+from millpond.runtime.steps.dedup import SEEN_FOLD_EXPIRED_SHARE, SEEN_FOLD_OVER_FILES
 
 T0 = datetime(2026, 4, 1, 12, 0, tzinfo=UTC)
 
@@ -120,6 +120,36 @@ def test_dedup_state_is_bounded_and_old_redelivery_is_counted_late(settings, tab
     assert late.column("reason").to_pylist() == ["beyond allowed lateness"]
     values = tables.read_arrow(pipeline_name, "current").column("value").to_pylist()
     assert sum(values) == batches  # each event counted once
+
+
+def test_seen_ids_are_folded_once_enough_has_expired_not_on_every_batch(settings, tables, pipeline_name) -> None:
+    """A fold rewrites every id it keeps. It came with every accepting batch once seen_ids had more than
+    SEEN_FOLD_OVER_FILES files, whether an id had expired or not: a pipeline rewrote its whole dedup state on each
+    batch (the Spark engine's ten-batch sequence of ``make bench``: the last batches rewrote 0.9M ids to add
+    0.1M). Now only once the files whose every id has expired hold SEEN_FOLD_EXPIRED_SHARE of its rows."""
+    spec = pipeline_from_dict({"name": pipeline_name, "window": {"type": "fixed", "size": "1m"},
+                               "source": {"prefix": f"{pipeline_name}/"}, "allowed_lateness": "30m",
+                               "watermark": {"policy": "processing_time", "lag": "0s"}})  # ids kept 31m
+    store = ObjectStore(settings)
+    seen_dt = None
+
+    def batch(i: int, at: float) -> list[str]:
+        """Event ``e<i>`` half a minute before ``at`` (minutes), then the batch at ``at``; seen_ids' files."""
+        nonlocal seen_dt
+        store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{arrival_tag(us(at - 0.4))}-{i}.jsonl",
+                        event(i, at - 0.5, at - 0.4).encode())
+        assert run_batch(settings, spec, T0 + timedelta(minutes=at)).counts["accepted"] == 1
+        seen_dt = DeltaTable(tables.uri(pipeline_name, "seen_ids"), storage_options=tables.options)
+        return seen_dt.file_uris()
+
+    for i in range(12):  # nothing expires: no fold, one file a batch
+        assert len(batch(i, i + 1)) == i + 1
+    assert len(batch(12, 32)) == 13  # input watermark 12m: still nothing behind 31m
+    assert len(batch(13, 33)) == 14  # e0 (0m30s) expired: 1 of 14 ids, under the share
+    assert len(batch(14, 35)) == 1  # e0 and e1 expired, 2 of 15: folded, the ids from 2m on kept
+    assert sorted(tables.read_arrow(pipeline_name, "seen_ids").column("id").to_pylist()) == sorted(
+        f"e{i}" for i in range(2, 15))
+    assert SEEN_FOLD_EXPIRED_SHARE == 0.1
 
 
 @pytest.mark.parametrize("one_task", [False, True], ids=["plan", "one_task"])

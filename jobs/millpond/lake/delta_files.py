@@ -109,3 +109,25 @@ def column_max(files: list[DataFile], column: str) -> int | None:
     if any(v is None for v in known):
         return None
     return max(known, default=0)
+
+
+def time_spans(tables: Tables, pipeline: str, name: str, version: int | None, column: str
+               ) -> list[tuple[int, int | None, int | None]]:
+    """(rows, least, greatest) of a timestamp ``column`` per data file of ``pipeline.name`` at ``version``, in
+    microseconds, from the files' statistics (None where a file has none); [] without the table or a version.
+    What a decision needs that must not read the rows (``runtime.steps.dedup.seen_keep_from``)."""
+    dt = None if version is None else tables.open(pipeline, name, version)
+    if dt is None:
+        return []
+    actions = pa.table(dt.get_add_actions(flatten=True))
+
+    def micros(stat: str) -> list[int | None]:
+        if stat not in actions.column_names:
+            return [None] * actions.num_rows
+        col = actions.column(stat)
+        if pa.types.is_timestamp(col.type):
+            col = col.cast(pa.timestamp("us", tz=col.type.tz))
+        return col.cast(pa.int64()).to_pylist()
+
+    rows = actions.column("num_records").to_pylist() if "num_records" in actions.column_names else [None] * len(actions)
+    return [(n or 0, lo, hi) for n, lo, hi in zip(rows, micros(f"min.{column}"), micros(f"max.{column}"), strict=True)]

@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from millpond.lake.delta_files import time_spans
 from millpond.lake.schemas import SEEN_SCHEMA
 from millpond.lake.sql import sql_in, sql_ts
 from millpond.model.panes import TS
@@ -22,23 +23,37 @@ if TYPE_CHECKING:
 SMALL_IN_LIST = 200
 #: ids probed against earlier batches' ``seen_ids`` per call (bounds the Python lists handed over)
 SEEN_PROBE_CHUNK = 1_000_000
-#: ``seen_ids`` is read by every batch's dedup (an event-time range that spans its files): once it has
-#: more than this many files, the batch's own commit to it replaces them by one file of the ids within
-#: the dedup horizon plus its own, from the rows its dedup read anyway (see ``_dedup``)
+#: ``seen_ids`` is read by every batch's dedup (an event-time range that spans its files). A batch's own commit
+#: to it may fold it: replace its files by the ids within the dedup horizon plus its own, from the rows its
+#: dedup read anyway (``seen_keep_from``). Never with this many files or fewer;
 SEEN_FOLD_OVER_FILES = 4
+#: with more, once the files whose every id has expired (their greatest event time behind the horizon) hold this
+#: share of its rows: a fold rewrites every id it keeps, and folding whenever one id had expired rewrote the whole
+#: table on every batch (under a day's horizon, 5-minute batches rewrote 288 times what each added); so the table
+#: holds about two horizons of ids at most;
+SEEN_FOLD_EXPIRED_SHARE = 0.1
+#: and, whatever has expired, once it has more than this many files (each accepting batch adds at least one; the
+#: dedup of the local engine opens each of them: 57 ms a batch at 32 small files, 20 ms at 4)
+SEEN_FOLD_OVER_MANY_FILES = 32
 
 
 def seen_keep_from(job: BatchContext, w_in: int, seen_version: int | None) -> int | None:
-    """Whether this batch replaces seen_ids' files (it has more than SEEN_FOLD_OVER_FILES at the
-    pinned version), and if so from which event time on earlier ids are kept: those within the dedup
-    horizon of the input watermark (a re-delivery older than that is beyond allowed lateness anyway). Only a
-    batch that accepts an id writes seen_ids (``steps.commit.commit_inputs``), so only it replaces the files, on
-    every engine: a batch that accepts nothing expires nothing (issue 36)."""
+    """Whether this batch replaces seen_ids' files (by its files' statistics at the pinned version: the
+    SEEN_FOLD_* rules above; a file without them: a fold), and if so from which event time on earlier
+    ids are kept: those within the dedup horizon of the input watermark (a re-delivery older than that is beyond
+    allowed lateness anyway). Only a batch that accepts an id writes seen_ids (``steps.commit.commit_inputs``),
+    so only it replaces the files, on every engine: a batch that accepts nothing expires nothing (issue 36)."""
     horizon = dedup_horizon(job)
     if seen_version is None or horizon is None or w_in - horizon <= 0:
         return None
-    files = job.tables.file_count(job.name, "seen_ids", version=seen_version)
-    return w_in - horizon if files > SEEN_FOLD_OVER_FILES else None
+    spans = time_spans(job.tables, job.name, "seen_ids", seen_version, "event_time")
+    keep_from = w_in - horizon
+    if len(spans) <= SEEN_FOLD_OVER_FILES:
+        return None
+    if len(spans) > SEEN_FOLD_OVER_MANY_FILES or any(hi is None for _, _, hi in spans):
+        return keep_from
+    expired = sum(rows for rows, _lo, hi in spans if hi < keep_from)
+    return keep_from if expired and expired >= SEEN_FOLD_EXPIRED_SHARE * sum(rows for rows, _, _ in spans) else None
 
 
 def by_id(job: BatchContext) -> bool:
