@@ -377,8 +377,11 @@ def test_the_shipped_stage_reads_the_same_upstream_batches_live_or_in_a_backfill
     # the first batch under an `engine.local_below` above its upstream range's rows: in-process; the second
     # under one just met (a row counts as a landing line's bytes): on Spark
     below = {ends[0]: 10**12, ends[1]: 1}
-    for end in ends:  # small batches: one task each; the last validated, as a DAG run is: the plan
-        chosen = on_spark.with_overrides(engine_local_below=below.get(end, on_spark.engine_local_below))
+    # small batches: one task each; the last validated, as a DAG run is, and as the multi-stage plan (a validated
+    # small batch is one task too: the plan is forced, so that it reads the stage's upstream ranges here as well)
+    for end in ends:
+        chosen = on_spark.with_overrides(engine_local_below=below.get(end, on_spark.engine_local_below),
+                                         **({"engine_one_task_below": 0} if end == ends[-1] else {}))
         result = run_batch(chosen, stage(late), to_datetime(end), spark=spark, validate=end == ends[-1])
         wanted = "local/in-process" if end == ends[0] else "spark/plan" if end == ends[-1] else "spark/one-task"
         assert result.engine == wanted, (result.engine, wanted)
