@@ -13,6 +13,7 @@ from millpond.lake.objectstore import ObjectStore
 from millpond.model.spec import pipeline_from_dict
 from millpond.model.timeutil import US, iso, to_datetime, to_us
 from millpond.runtime import cores, layout
+from millpond.runtime.engines import spark_batch
 from millpond.runtime.job import run_batch
 from millpond.runtime.steps.dedup import SEEN_FOLD_OVER_FILES
 from session_specs import SESSIONS
@@ -217,11 +218,17 @@ def _seen_history(tables, name: str) -> list[tuple[int, int | None, bool, list[s
     return out
 
 
-def test_quiet_batches_leave_seen_ids_alone_on_every_engine(settings, tables, spark, pipeline_name) -> None:
+PROBE_BELOW = spark_batch.SEEN_PROBE_BELOW
+
+
+def test_quiet_batches_leave_seen_ids_alone_on_every_engine(settings, tables, spark, pipeline_name,
+                                                            monkeypatch) -> None:
     """Issue 36: a batch that accepts nothing (no files, or only duplicates) writes nothing to seen_ids, so it
     folds nothing either, on the local engine, the Spark plan and the one task alike. The plan folded
     (expired ids) on such batches, so that ``a``, re-delivered after them, was a late row there and a
-    duplicate on the local engine."""
+    duplicate on the local engine. The plan runs twice: its small batches' ids probing ``seen_ids``
+    (``spark_batch.marked_firsts``), and, as a batch of SEEN_PROBE_BELOW rows or more does, the stored ids
+    shuffled to the rows."""
     store = ObjectStore(settings)
     doc = {**SESSIONS, "allowed_lateness": "10m"}
     names, results = {}, {}
@@ -229,6 +236,7 @@ def test_quiet_batches_leave_seen_ids_alone_on_every_engine(settings, tables, sp
     def run(path: str) -> None:
         name = names[path] = f"{pipeline_name}_{path}"
         spec = pipeline_from_dict({"name": name, "source": {"prefix": f"{name}/"}, **doc})
+        monkeypatch.setattr(spark_batch, "SEEN_PROBE_BELOW", 0 if path == "shuffled" else PROBE_BELOW)
         chosen = settings.with_overrides(engine="local" if path == "local" else "spark", engine_local_below=0,
                                          driver_workers=0, engine_one_task_below=10**6 if path == "one_task" else 0)
         for b in range(1, 11):
@@ -256,7 +264,7 @@ def test_quiet_batches_leave_seen_ids_alone_on_every_engine(settings, tables, sp
     has_a = [any("('id', 'a')" in r for r in rows) for _, _, _, rows in history]
     assert has_a == [True] * 8 + [False] * 2  # expired by batch 9's fold, not before
     classes = ("input", "accepted", "duplicates", "late", "quarantined", "panes", "retractions")
-    for path in ("spark", "one_task"):
+    for path in ("spark", "shuffled", "one_task"):
         run(path)
         for b in range(1, 11):
             assert ({c: results[path, b][c] for c in classes}

@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 
 #: rows one task of a batch's shuffles takes (the per-key step's partitions)
 ROWS_PER_TASK = 250_000
+#: a batch of fewer rows broadcasts its ids to the ``seen_ids`` scan (``marked_firsts``): about 40 bytes an id
+SEEN_PROBE_BELOW = 1_000_000
 
 
 def ts_column(column: str):
@@ -98,11 +100,13 @@ def batch_partitions(settings: Settings, rows: int) -> int:
 
 
 def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time: int, w_in: int, seen,
-                   partitions: int):
+                   partitions: int, rows_planned: int | None = None):
     """(the quarantined rows, the accepted elements, counts, max event time, the kept rows): parsed on
     executors (in at most ``partitions`` tasks; a stage's elements: ``stage_elements``), first of each id
     by (arrival, file, line), ids seen by earlier batches (``seen``, the ``seen_ids`` snapshot, or None) dropped
-    when their event time is within the batch's range, as on the local engine. Only counts come back."""
+    when their event time is within the batch's range, as on the local engine. Only counts come back.
+    ``rows_planned``: about how many rows the batch handles (below SEEN_PROBE_BELOW its ids probe ``seen``,
+    ``marked_firsts``); None when not known."""
     from pyspark.sql import functions as F
 
     spark = job.spark
@@ -112,7 +116,8 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
         return stage_elements(spark, stage_input(job, the_plan, partitions))
     rows = spark_io.read_landing(spark, job.settings, list(zip(the_plan["files"], the_plan["arrivals"], strict=True)),
                                  job.spec.value_type, processing_time, tasks=partitions)
-    marked = keep(spark, marked_firsts(rows, seen))
+    probe = rows_planned is not None and rows_planned < SEEN_PROBE_BELOW  # (None: not known, no probe)
+    marked = keep(spark, marked_firsts(rows, seen, spark if probe else None))
     bad = marked.where(F.col("reason").isNotNull()).select(*rows.columns)
     fresh = F.col("reason").isNull() & F.col("_seen").isNull()
     accepted = marked.where(fresh).select("id", "key", "value", "event_time", "arrival_time")
@@ -131,12 +136,16 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
     return bad, accepted, counts, tally["max_et"], marked
 
 
-def marked_firsts(rows, seen):
+def marked_firsts(rows, seen, probe=None):
     """The parsed rows (``spark_io.landing_schema``) reduced to what a batch keeps, in one pass over the files:
     every quarantined row, and the first of each id by (arrival, file, line), with ``_c``, how many rows had its
     id, and ``_seen``, true when an earlier batch accepted it (``seen``: the ``seen_ids`` snapshot, or None; only
     its ids within the batch's event-time range count, as on the local engine). The files are read once: the
-    counts come from these rows, not from a second read or a cache of every parsed row."""
+    counts come from these rows, not from a second read or a cache of every parsed row. ``probe`` (the batch's
+    session, or None): the firsts are kept, and their ids broadcast to the ``seen_ids`` scan, whose matches alone
+    meet the rows (a batch below SEEN_PROBE_BELOW rows); else every stored id in range is shuffled to the rows
+    (``seen_ids`` holds up to two dedup horizons of ids: a later batch of a 1M-event sequence shuffled 0.9M of
+    them to find 1k)."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -152,13 +161,19 @@ def marked_firsts(rows, seen):
               .where(is_bad | (F.col("_n") == 1)).drop("_n"))
     if seen is None:
         return firsts.drop("_g").withColumn("_seen", F.lit(None).cast("boolean"))
+    if probe is not None:  # read by the bounds, the ids and the rows: the files are read once
+        firsts = keep(probe, firsts, now=True)
     # the batch's event-time range joined in the plan (a one-row broadcast), not collected first
     bounds = firsts.where(~is_bad).agg(F.min("event_time").alias("_lo"), F.max("event_time").alias("_hi"))
     known = (seen.select(F.col("id").alias("_k"), F.unix_micros("event_time").alias("_et"))
-             .crossJoin(F.broadcast(bounds)).where(F.col("_et").between(F.col("_lo"), F.col("_hi")))
-             .select("_k").dropDuplicates(["_k"]).withColumn("_seen", F.lit(True)))
-    # on the window's own partitioning (``_g``): the rows are not shuffled again for the join
-    marked = firsts.join(known, F.col("_g") == F.col("_k"), "left")
+             .crossJoin(F.broadcast(bounds)).where(F.col("_et").between(F.col("_lo"), F.col("_hi"))))
+    if probe is not None:
+        ids = firsts.where(~is_bad).select(F.col("_g").alias("_b"))
+        known = known.join(F.broadcast(ids), F.col("_k") == F.col("_b"), "left_semi")
+    known = known.select("_k").dropDuplicates(["_k"]).withColumn("_seen", F.lit(True))
+    # on the window's own partitioning (``_g``): the rows are not shuffled again for the join (with ``probe``,
+    # the few matches are broadcast to them)
+    marked = firsts.join(F.broadcast(known) if probe is not None else known, F.col("_g") == F.col("_k"), "left")
     return marked.select(*rows.columns, "_c", F.when(~is_bad, F.col("_seen")).alias("_seen"))
 
 
@@ -425,7 +440,8 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], rows: i
     job.spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
     seen = None if seen_version is None else spark_io.read_table(job.spark, job.tables, job.name, "seen_ids",
                                                                  seen_version, tasks=partitions)
-    bad, accepted, counts, max_et, parsed = read_and_dedup(job, the_plan, processing_time, w_in, seen, partitions)
+    bad, accepted, counts, max_et, parsed = read_and_dedup(job, the_plan, processing_time, w_in, seen, partitions,
+                                                           rows)
     timer.lap("ingest", partitions=partitions)
     policy = job.spec.watermark_policy
     clock, max_et = clock_for(job, job.batch, processing_time, w_in, prev, max_et, the_plan, explicit_watermark,
