@@ -117,7 +117,8 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
     rows = spark_io.read_landing(spark, job.settings, list(zip(the_plan["files"], the_plan["arrivals"], strict=True)),
                                  job.spec.value_type, processing_time, tasks=partitions)
     probe = rows_planned is not None and rows_planned < SEEN_PROBE_BELOW  # (None: not known, no probe)
-    marked = keep(spark, marked_firsts(rows, seen, spark if probe else None))
+    marked, held = marked_firsts(rows, seen, spark if probe else None)
+    marked = keep(spark, marked)
     bad = marked.where(F.col("reason").isNotNull()).select(*rows.columns)
     fresh = F.col("reason").isNull() & F.col("_seen").isNull()
     accepted = marked.where(fresh).select("id", "key", "value", "event_time", "arrival_time")
@@ -127,6 +128,8 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
         F.coalesce(F.sum(F.when(F.col("reason").isNull(), F.col("_c"))), F.lit(0)).alias("good"),
         F.count(F.when(fresh, F.lit(1))).alias("n"), F.max(F.when(fresh, F.col("event_time"))).alias("max_et"),
     ).collect()[0]
+    if held is not None:  # ``marked`` holds its rows now
+        held.unpersist()
     held = held_rows(the_plan)
     if held:  # files an operator held: one quarantined row each, as on the local engine
         bad = bad.unionByName(spark.createDataFrame([(None,) * 7 + (k, line, raw, why) for k, line, raw, why
@@ -136,7 +139,7 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
     return bad, accepted, counts, tally["max_et"], marked
 
 
-def marked_firsts(rows, seen, probe=None):
+def marked_firsts(rows, seen, probe=None) -> tuple[Any, Any]:
     """The parsed rows (``spark_io.landing_schema``) reduced to what a batch keeps, in one pass over the files:
     every quarantined row, and the first of each id by (arrival, file, line), with ``_c``, how many rows had its
     id, and ``_seen``, true when an earlier batch accepted it (``seen``: the ``seen_ids`` snapshot, or None; only
@@ -145,7 +148,7 @@ def marked_firsts(rows, seen, probe=None):
     session, or None): the firsts are kept, and their ids broadcast to the ``seen_ids`` scan, whose matches alone
     meet the rows (a batch below SEEN_PROBE_BELOW rows); else every stored id in range is shuffled to the rows
     (``seen_ids`` holds up to two dedup horizons of ids: a later batch of a 1M-event sequence shuffled 0.9M of
-    them to find 1k)."""
+    them to find 1k). Returns (the marked rows, the kept firsts to release once those are kept, or None)."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -160,9 +163,10 @@ def marked_firsts(rows, seen, probe=None):
               .withColumn("_c", F.count(F.when(~is_bad, F.lit(1))).over(every))
               .where(is_bad | (F.col("_n") == 1)).drop("_n"))
     if seen is None:
-        return firsts.drop("_g").withColumn("_seen", F.lit(None).cast("boolean"))
+        return firsts.drop("_g").withColumn("_seen", F.lit(None).cast("boolean")), None
+    held = None
     if probe is not None:  # read by the bounds, the ids and the rows: the files are read once
-        firsts = keep(probe, firsts, now=True)
+        firsts = held = keep(probe, firsts, now=True)
     # the batch's event-time range joined in the plan (a one-row broadcast), not collected first
     bounds = firsts.where(~is_bad).agg(F.min("event_time").alias("_lo"), F.max("event_time").alias("_hi"))
     known = (seen.select(F.col("id").alias("_k"), F.unix_micros("event_time").alias("_et"))
@@ -174,7 +178,7 @@ def marked_firsts(rows, seen, probe=None):
     # on the window's own partitioning (``_g``): the rows are not shuffled again for the join (with ``probe``,
     # the few matches are broadcast to them)
     marked = firsts.join(F.broadcast(known) if probe is not None else known, F.col("_g") == F.col("_k"), "left")
-    return marked.select(*rows.columns, "_c", F.when(~is_bad, F.col("_seen")).alias("_seen"))
+    return marked.select(*rows.columns, "_c", F.when(~is_bad, F.col("_seen")).alias("_seen")), held
 
 
 def stage_elements(spark, rows):

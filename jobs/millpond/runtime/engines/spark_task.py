@@ -71,7 +71,7 @@ class TaskInput:
     #: the current view's data files at ``current_version`` (URI, partition values) and its schema
     current: list[tuple[str, dict[str, Any]]]
     current_schema: pa.Schema | None
-    #: a validated batch: the task also returns what the suites read (``FRAMES``), for the client to validate
+    #: a validated batch: the task also returns what the suites read (``frame_rows``), for the client to validate
     validate: bool = False
 
 
