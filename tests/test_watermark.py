@@ -16,6 +16,7 @@ from millpond.model.spec import pipeline_from_dict
 from millpond.model.timeutil import US, to_us
 from millpond.model.watermark import WatermarkPolicy, advance
 from millpond.runtime.job import run_batch
+from millpond.runtime.steps import dedup
 from millpond.runtime.steps.dedup import SEEN_FOLD_EXPIRED_SHARE, SEEN_FOLD_OVER_FILES
 
 T0 = datetime(2026, 4, 1, 12, 0, tzinfo=UTC)
@@ -150,6 +151,32 @@ def test_seen_ids_are_folded_once_enough_has_expired_not_on_every_batch(settings
     assert sorted(tables.read_arrow(pipeline_name, "seen_ids").column("id").to_pylist()) == sorted(
         f"e{i}" for i in range(2, 15))
     assert SEEN_FOLD_EXPIRED_SHARE == 0.1
+
+
+@pytest.mark.parametrize("engine", ["local", "spark"])
+def test_seen_ids_of_a_global_window_are_compacted_every_id_kept(settings, tables, pipeline_name, engine, request,
+                                                                  monkeypatch) -> None:
+    """The global window never closes: its ids are kept for good (no dedup horizon), and ``seen_ids`` was never
+    folded, so each accepting batch left a file more for every later dedup to open (a year of 5-minute batches:
+    100k files). Past SEEN_FOLD_OVER_MANY_FILES files (6 here) a batch compacts them, keeping every id; on the
+    Spark engine's plan too."""
+    monkeypatch.setattr(dedup, "SEEN_FOLD_OVER_MANY_FILES", 6)
+    spark = request.getfixturevalue("spark") if engine == "spark" else None
+    chosen = settings.with_overrides(engine=engine, engine_local_below=0, engine_one_task_below=0)
+    spec = pipeline_from_dict({"name": pipeline_name, "window": {"type": "global"},
+                               "trigger": "Repeat(AtCount(1))", "source": {"prefix": f"{pipeline_name}/"},
+                               "watermark": {"policy": "processing_time", "lag": "0s"}})
+    store = ObjectStore(settings)
+    files = []
+    for i in range(9):
+        store.put_bytes(settings.bucket_landing, f"{pipeline_name}/{arrival_tag(us(i + 0.6))}-{i}.jsonl",
+                        event(i, i + 0.5, i + 0.6).encode())
+        assert run_batch(chosen, spec, T0 + timedelta(minutes=i + 1), spark=spark).counts["accepted"] == 1
+        files.append(len(DeltaTable(tables.uri(pipeline_name, "seen_ids"), storage_options=tables.options)
+                         .file_uris()))
+    assert files[:7] == [1, 2, 3, 4, 5, 6, 7] and files[7] < 7, files  # batch 8 found 7 files: compacted
+    assert sorted(tables.read_arrow(pipeline_name, "seen_ids").column("id").to_pylist()) == sorted(
+        f"e{i}" for i in range(9))
 
 
 @pytest.mark.parametrize("one_task", [False, True], ids=["plan", "one_task"])

@@ -14,7 +14,7 @@ from millpond.lake.delta_files import time_spans
 from millpond.lake.schemas import SEEN_SCHEMA
 from millpond.lake.sql import sql_in, sql_ts
 from millpond.model.panes import TS
-from millpond.model.timeutil import parse_duration
+from millpond.model.timeutil import MIN_TS, parse_duration
 
 if TYPE_CHECKING:
     from millpond.runtime.context import BatchContext
@@ -41,17 +41,24 @@ def seen_keep_from(job: BatchContext, w_in: int, seen_version: int | None) -> in
     """Whether this batch replaces seen_ids' files (by its files' statistics at the pinned version: the
     SEEN_FOLD_* rules above; a file without them: a fold), and if so from which event time on earlier
     ids are kept: those within the dedup horizon of the input watermark (a re-delivery older than that is beyond
-    allowed lateness anyway). Only a batch that accepts an id writes seen_ids (``steps.commit.commit_inputs``),
-    so only it replaces the files, on every engine: a batch that accepts nothing expires nothing (issue 36)."""
-    horizon = dedup_horizon(job)
-    if seen_version is None or horizon is None or w_in - horizon <= 0:
+    allowed lateness anyway); every one (MIN_TS) where ids are kept for good, and then only past
+    SEEN_FOLD_OVER_MANY_FILES files: that fold compacts. Only a batch that accepts an id writes seen_ids
+    (``steps.commit.commit_inputs``), so only it replaces the files, on every engine: a batch that accepts nothing
+    expires nothing (issue 36)."""
+    if seen_version is None:
         return None
+    horizon = dedup_horizon(job)
+    # ids kept for good (the global window, a custom window without a span), or none behind the horizon yet:
+    # only compacted, every id kept (MIN_TS), so that a year of batches does not leave a file each
+    forever = horizon is None or w_in - horizon <= MIN_TS
     spans = time_spans(job.tables, job.name, "seen_ids", seen_version, "event_time")
-    keep_from = w_in - horizon
+    keep_from = MIN_TS if forever else w_in - horizon
     if len(spans) <= SEEN_FOLD_OVER_FILES:
         return None
     if len(spans) > SEEN_FOLD_OVER_MANY_FILES or any(hi is None for _, _, hi in spans):
         return keep_from
+    if forever:
+        return None
     expired = sum(rows for rows, _lo, hi in spans if hi < keep_from)
     return keep_from if expired and expired >= SEEN_FOLD_EXPIRED_SHARE * sum(rows for rows, _, _ in spans) else None
 
