@@ -5,7 +5,9 @@ A bare import would write ``~/airflow``; every test process gets its own home an
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -22,6 +24,8 @@ def configure() -> Path:
     if "airflow" in sys.modules:
         raise RuntimeError("airflow was imported before tests/airflow_env.configure(): import this module first")
     home = Path(tempfile.mkdtemp(prefix="millpond-airflow-inproc-"))
+    # removed when the process that made it exits (its subprocesses inherit it through the environment)
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
     os.environ.update({
         "AIRFLOW_HOME": str(home),
         "MILLPOND_TEST_AIRFLOW_HOME": str(home),
@@ -53,8 +57,6 @@ STACK_LANDING = "landing-airflow"
 
 def write_conf_dir(folder: Path, names: tuple[str, ...] = (PIPELINE,)) -> Path:
     """A conf dir: the shipped millpond.yaml plus small demo pipelines (fast batches, fixed windows)."""
-    import shutil
-
     import yaml
 
     (folder / "pipelines").mkdir(parents=True, exist_ok=True)
