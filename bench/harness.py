@@ -1207,12 +1207,18 @@ def records_table(doc: dict[str, Any]) -> str:
             r = {**r, "target": rule.text if rule else (r.get("target") or "none set"),
                  "met": bool(rule and rule.met(r))}
         records.append(r)
-    met = sum(1 for r in records if r.get("met"))
+    def reported(r: dict[str, Any]) -> bool:  # a figure with no line to meet (``time_floor``): not a target
+        return str(r.get("target", "")).startswith("report")
+
+    met = sum(1 for r in records if r.get("met") and not reported(r))
+    targets = sum(1 for r in records if not reported(r))
     lines = [
         f"**Records in `bench/results.json`** ({m.get('date', '?')}, {doc.get('plan', {}).get('name', '?')} plan, "
         f"{doc.get('duration_s', '?')} s; load average {m.get('load_average_at_start', '?')} at start, "
         f"{m.get('load_average_at_end', '?')} at end; {m.get('cores', '?')} cores): "
-        f"{met} of {len(records)} targets met. ratio = ours / peer; `path: driver` = the in-process engine.",
+        f"{met} of {targets} targets met" + (f", {len(records) - targets} reported without a target" if
+                                             targets < len(records) else "")
+        + ". ratio = ours / peer; `path: driver` = the in-process engine.",
         "",
         "| measure | engine (path) | ours | peer | unit | ours/peer | target | met |",
         "|---|---|---|---|---|---|---|---|",
@@ -1224,7 +1230,7 @@ def records_table(doc: dict[str, Any]) -> str:
         lines.append(f"| `{r['measure']}` | {engine} ({path}) | {fmt(r.get('ours'))} | {fmt(r.get('peer'))} | "
                      f"{r.get('unit', '')} ({'lower' if r.get('lower_is_better') else 'higher'} is better) | "
                      f"{fmt(r.get('ratio'))} | {str(r.get('target', '')).replace('|', '/')} | "
-                     f"{'met' if r.get('met') else '**missed**'} |")
+                     f"{'report' if reported(r) else 'met' if r.get('met') else '**missed**'} |")
     return "\n".join(lines)
 
 
