@@ -17,7 +17,9 @@ import airflow_env
 import pyarrow as pa
 import pytest
 from millpond.config import Settings
+from millpond.errors import MillpondError
 from millpond.lake.tables import Tables
+from millpond.orchestration.backfill import Backfill
 
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
 STEP = timedelta(minutes=5)
@@ -201,6 +203,39 @@ def test_backfill_equals_live_runs(settings: Settings, conf_dir: Path, airflow_s
     assert [o["operation"] for o in ops] == ["backfill", "backfill ended", "reprocess", "backfill ended"]
     assert json.loads(ops[2]["detail"])["last_batch"] == 3
     assert any(h.get("operation") == "RESTORE" for h in backfilled.history(p, "windows"))
+
+    # Airflow can accept a reprocess's backfill without queueing its runs again (on SQLite, a create it refused
+    # half-way): the old runs' success is not the reprocess's. The backfill is made again and redoes them ...
+    lines.clear()
+    states = Unqueued(stack_settings, p, T0 + STEP, T0 + 2 * STEP, reprocess="completed", stack=stack,
+                      unqueued=1).run(timeout=400, echo=lines.append)
+    assert sorted(states.values()) == ["success"] * 2, lines
+    assert any("ended without running 2 of its runs again" in line for line in lines), lines
+    for name in ("panes", "current", "windows", "late"):
+        if live.exists(p, name):
+            assert sorted_rows(live.read_arrow(p, name)) == sorted_rows(backfilled.read_arrow(p, name)), (name, lines)
+    # ... and when Airflow never runs them, the reprocess fails in one line naming the batches not redone.
+    with pytest.raises(MillpondError, match=r"did not redo 2 of its 2 batches \(2026-01-05T12:10:00Z to "
+                                            r"2026-01-05T12:15:00Z\).*run the same reprocess again"):
+        Unqueued(stack_settings, p, T0 + STEP, T0 + 2 * STEP, reprocess="completed", stack=stack,
+                 unqueued=3).run(timeout=400, echo=lines.append)
+
+
+class Unqueued(Backfill):
+    """A backfill Airflow makes without queueing its existing runs again for its first ``unqueued`` creates
+    (they are asked with ``reprocess_behavior: none``): what a create it refused half-way can leave."""
+
+    def __init__(self, *args, unqueued: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.left, self.unqueue = unqueued, False
+
+    def create(self, attempts: int = 6) -> dict:
+        self.unqueue, self.left = self.left > 0, self.left - 1
+        return super().create(attempts)
+
+    def body(self) -> dict:
+        body = super().body()
+        return {**body, "reprocess_behavior": "none"} if self.unqueue else body
 
 
 def test_a_backfill_airflow_removed_is_named_as_gone(airflow_stack) -> None:

@@ -27,6 +27,8 @@ from millpond.orchestration.airflow_stack import AirflowStack
 from millpond.orchestration.dagfactory import DAG_PREFIX, TASK_ID, pipelines_dir, read_pipeline_info
 
 TERMINAL = {"success", "failed"}
+#: a reprocess's run Airflow left as it was (queued before the backfill was made): its batch was not redone
+NOT_RERUN = "not re-run"
 
 
 def parse_time(text: str) -> datetime:
@@ -191,40 +193,57 @@ class Backfill:
         return None
 
     def wait(self, backfill_id: int, timeout: float, echo=print) -> dict[str, str]:
-        """Print progress (batches done / total, events per batch) until every run ended; return states."""
+        """Print progress (batches done / total, events per batch) until every run ended; return states.
+
+        In a reprocess every run must run again: one Airflow left as it was (queued before this backfill was
+        made) is ``NOT_RERUN``, whatever its old state, and its old summary is not reported."""
         deadline = time.monotonic() + timeout
         reported: set[str] = set()
         last_line = ""
         while True:
             self._revive(echo)
+            backfill = self._backfill(backfill_id)
             runs = self.runs()
-            states = {r["dag_run_id"]: r["state"] for r in runs}
+            states = {r["dag_run_id"]: self._state(r, backfill) for r in runs}
             for r in runs:
-                if r["state"] in TERMINAL and r["dag_run_id"] not in reported:
+                if states[r["dag_run_id"]] in TERMINAL and r["dag_run_id"] not in reported:
                     reported.add(r["dag_run_id"])
-                    s = self.batch_summary(r["dag_run_id"]) if r["state"] == "success" else None
-                    counts = (s or {}).get("counts") or {}
-                    detail = (f"batch {s.get('batch')}: {counts.get('input', 0)} events in, "
-                              f"{counts.get('panes', 0)} panes{' (already committed)' if s.get('skipped') else ''}"
-                              if s else r["state"].upper())
-                    echo(f"  {r['data_interval_end']}  {detail}")
+                    echo(f"  {r['data_interval_end']}  {self._detail(r)}")
             done = sum(1 for v in states.values() if v in TERMINAL)
             line = f"{self.dag_id}: {done}/{self.total} batches done"
             if line != last_line:
                 echo(line)
                 last_line = line
-            try:
-                completed = self.api("GET", f"/backfills/{backfill_id}").get("completed_at")
-            except MillpondError as exc:
-                if status_of(exc) == 404:
-                    raise BackfillGone(f"backfill {backfill_id} of {self.dag_id} is gone from Airflow") from exc
-                raise
-            if completed and all(v in TERMINAL for v in states.values()):
+            if backfill.get("completed_at") and all(v in TERMINAL | {NOT_RERUN} for v in states.values()):
                 return states
             if time.monotonic() > deadline:
                 raise MillpondError(f"backfill {backfill_id} of {self.dag_id} not finished after {timeout:.0f}s "
                                     f"({done}/{self.total} done): it keeps running in Airflow")
             time.sleep(2.0)
+
+    def _backfill(self, backfill_id: int) -> dict[str, Any]:
+        try:
+            return self.api("GET", f"/backfills/{backfill_id}")
+        except MillpondError as exc:
+            if status_of(exc) == 404:
+                raise BackfillGone(f"backfill {backfill_id} of {self.dag_id} is gone from Airflow") from exc
+            raise
+
+    def _state(self, run: dict[str, Any], backfill: dict[str, Any]) -> str:
+        """The run's state for this backfill: Airflow queues a reprocess's runs again as it makes the backfill
+        (their ``queued_at`` is then at or after its ``created_at``, both the API server's clock)."""
+        if self.reprocess != "completed" or run["state"] not in TERMINAL:
+            return run["state"]
+        queued = run.get("queued_at")
+        return run["state"] if queued and parse_time(queued) >= parse_time(backfill["created_at"]) else NOT_RERUN
+
+    def _detail(self, run: dict[str, Any]) -> str:
+        s = self.batch_summary(run["dag_run_id"]) if run["state"] == "success" else None
+        if not s:
+            return run["state"].upper()
+        counts = s.get("counts") or {}
+        return (f"batch {s.get('batch')}: {counts.get('input', 0)} events in, {counts.get('panes', 0)} panes"
+                f"{' (already committed)' if s.get('skipped') else ''}")
 
     def _revive(self, echo) -> None:
         for component in self.stack.revive():
@@ -321,7 +340,6 @@ class Backfill:
         for attempt in range(3):
             try:
                 states = self.wait(created["id"], timeout, echo)
-                break
             except BackfillGone:
                 if attempt == 2:
                     raise
@@ -329,11 +347,38 @@ class Backfill:
                 echo(f"backfill {created['id']} of {self.dag_id} was removed by Airflow (a create it refused "
                      "half-way): creating it again")
                 created = self.create()
-        failed = [k for k, v in states.items() if v != "success"]
+                continue
+            stale = sorted(k for k, v in states.items() if v == NOT_RERUN)
+            if not stale or attempt == 2:
+                break
+            # On SQLite a create Airflow refused half-way can leave the backfill without its runs queued again:
+            # it completes at once. Made again, it queues them (runs that did redo their batch skip it).
+            echo(f"backfill {created['id']} of {self.dag_id} ended without running {len(stale)} of its runs again "
+                 f"(e.g. {stale[0]}): creating it again")
+            created = self.create()
+        failed = [k for k, v in states.items() if v not in ("success", NOT_RERUN)]
         if failed:
             raise MillpondError(f"{len(failed)} of {len(states)} backfill runs of {self.dag_id} failed "
                                 f"(e.g. {failed[0]}): see the task logs in the UI")
-        return states
+        if self.reprocess == "completed" and not self.conf.get("dry_run"):
+            self.check_redone(created["id"])
+        return {k: "success" if v == NOT_RERUN else v for k, v in states.items()}
+
+    def check_redone(self, backfill_id: int) -> None:
+        """A reprocess ends where the pipeline was, recomputed: every batch of the range is committed again
+        (the rewind removed them). Airflow's word that the runs succeeded is not enough."""
+        from millpond.lake.tables import Tables
+
+        tables = Tables(self.stack.settings)
+        done = {_iso(t) for t in tables.read_arrow(self.info.name, "batches", columns=["processing_time"])
+                .column("processing_time").to_pylist()} if tables.exists(self.info.name, "batches") else set()
+        due = [_iso(self.start + i * self.info.batch_interval) for i in range(1, self.total + 1)]
+        missing = [t for t in due if t not in done]
+        if missing:
+            raise MillpondError(
+                f"the reprocess of {self.info.name} did not redo {len(missing)} of its {len(due)} batches "
+                f"({missing[0]}{f' to {missing[-1]}' if len(missing) > 1 else ''}): Airflow ended backfill "
+                f"{backfill_id} without running them again; run the same reprocess again")
 
 
 def status_of(exc: BaseException) -> int | None:
