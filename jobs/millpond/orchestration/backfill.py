@@ -360,25 +360,28 @@ class Backfill:
         if failed:
             raise MillpondError(f"{len(failed)} of {len(states)} backfill runs of {self.dag_id} failed "
                                 f"(e.g. {failed[0]}): see the task logs in the UI")
-        if self.reprocess == "completed" and not self.conf.get("dry_run"):
-            self.check_redone(created["id"])
+        self.check_committed(created["id"])
         return {k: "success" if v == NOT_RERUN else v for k, v in states.items()}
 
-    def check_redone(self, backfill_id: int) -> None:
-        """A reprocess ends where the pipeline was, recomputed: every batch of the range is committed again
-        (the rewind removed them). Airflow's word that the runs succeeded is not enough."""
+    def check_committed(self, backfill_id: int) -> None:
+        """A backfill that says done has reached the end of its range: its last batch is committed (a reprocess:
+        again, as its rewind removed it). Airflow's word that the runs succeeded is not enough: on SQLite, a create
+        it refused half-way can leave a backfill that ends with none of its runs made, or made again. (A batch
+        missing before a committed one is not lost: the later batch took its files.)"""
         from millpond.lake.tables import Tables
 
+        if self.conf.get("dry_run"):
+            return
         tables = Tables(self.stack.settings)
-        done = {_iso(t) for t in tables.read_arrow(self.info.name, "batches", columns=["processing_time"])
-                .column("processing_time").to_pylist()} if tables.exists(self.info.name, "batches") else set()
-        due = [_iso(self.start + i * self.info.batch_interval) for i in range(1, self.total + 1)]
-        missing = [t for t in due if t not in done]
-        if missing:
-            raise MillpondError(
-                f"the reprocess of {self.info.name} did not redo {len(missing)} of its {len(due)} batches "
-                f"({missing[0]}{f' to {missing[-1]}' if len(missing) > 1 else ''}): Airflow ended backfill "
-                f"{backfill_id} without running them again; run the same reprocess again")
+        done = tables.read_arrow(self.info.name, "batches", columns=["processing_time"]).column("processing_time") \
+            .to_pylist() if tables.exists(self.info.name, "batches") else []
+        due = [self.start + i * self.info.batch_interval for i in range(1, self.total + 1)]
+        if missing := [_iso(t) for t in due if not done or t > max(done)]:
+            what, verb = ("reprocess", "redo") if self.reprocess == "completed" else ("backfill", "commit")
+            span = missing[0] + (f" to {missing[-1]}" if len(missing) > 1 else "")
+            raise MillpondError(f"the {what} of {self.info.name} did not {verb} {len(missing)} of its {len(due)} "
+                                f"batches ({span}): Airflow ended backfill {backfill_id} without running them; "
+                                f"run the same {what} again")
 
 
 def status_of(exc: BaseException) -> int | None:

@@ -90,6 +90,7 @@ def run_via_airflow(settings: Settings, specs: list[PipelineSpec], batches: int,
 
             raise MillpondError(f"{len(failed)} of {len(states)} runs of {job.dag_id} failed (e.g. {failed[0]}): "
                                 f"see the task logs at {stack.url}/dags/{job.dag_id}")
+        job.check_committed(created["id"])  # Airflow's word that its runs succeeded is not enough
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
