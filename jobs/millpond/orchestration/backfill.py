@@ -214,7 +214,10 @@ class Backfill:
             if line != last_line:
                 echo(line)
                 last_line = line
-            if backfill.get("completed_at") and all(v in TERMINAL | {NOT_RERUN} for v in states.values()):
+            # Airflow queues (or queues again) every run of a backfill as it makes it: a run it left as it was
+            # stays so, and need not wait for the scheduler to mark the backfill completed (every 30 s)
+            if all(v in TERMINAL | {NOT_RERUN} for v in states.values()) and (
+                    backfill.get("completed_at") or NOT_RERUN in states.values()):
                 return states
             if time.monotonic() > deadline:
                 raise MillpondError(f"backfill {backfill_id} of {self.dag_id} not finished after {timeout:.0f}s "
@@ -349,10 +352,16 @@ class Backfill:
                 created = self.create()
                 continue
             stale = sorted(k for k, v in states.items() if v == NOT_RERUN)
-            if not stale or attempt == 2:
+            if not stale:
                 break
-            # On SQLite a create Airflow refused half-way can leave the backfill without its runs queued again:
-            # it completes at once. Made again, it queues them (runs that did redo their batch skip it).
+            try:  # it has no run left to run: ended now, not at the scheduler's next pass (every 30 s)
+                self.api("PUT", f"/backfills/{created['id']}/cancel")
+            except MillpondError:  # completed meanwhile (409): ``create`` waits out what is left
+                pass
+            if attempt == 2:
+                break
+            # On SQLite a create Airflow refused half-way can leave the backfill without its runs queued again.
+            # Made again, it queues them (runs that did redo their batch skip it).
             echo(f"backfill {created['id']} of {self.dag_id} ended without running {len(stale)} of its runs again "
                  f"(e.g. {stale[0]}): creating it again")
             created = self.create()
