@@ -309,6 +309,7 @@ def test_a_critical_failure_stops_the_batch_before_any_commit(settings, tables, 
     outputs = ("panes", "current", "windows", "late", "batches", "seen_ids")
     for n, (_, hi) in enumerate(schedule[2:], start=3):
         before = {t: tables.version(pipeline_name, t) for t in outputs}
+        files = stored_files(tables, pipeline_name, outputs)
         try:
             result = run_batch(local, spec, to_datetime(hi), validate=True, spark=spark)
         except MillpondError as exc:
@@ -320,6 +321,17 @@ def test_a_critical_failure_stops_the_batch_before_any_commit(settings, tables, 
         pytest.fail("no batch retracted a pane")
     assert {t: tables.version(pipeline_name, t) for t in outputs} == before
     assert tables.read_arrow(pipeline_name, "batches").num_rows == n - 1
+    # and nothing of it is left in the store (the one task wrote its files before the client validated them)
+    assert stored_files(tables, pipeline_name, outputs) == files
+
+
+def stored_files(tables, pipeline: str, names) -> set[str]:
+    """The keys of the tables' data files in the object store, whether a commit names them or not."""
+    from millpond.lake.objectstore import ObjectStore
+
+    store, bucket = ObjectStore(tables.settings), tables.settings.bucket_lake
+    return {o.key for name in names for o in store.list(bucket, tables.uri(pipeline, name).split("/", 3)[3] + "/")
+            if "/_delta_log/" not in o.key}
 
 
 @contextlib.contextmanager

@@ -235,6 +235,17 @@ class Table:
             return len(deleted) + self._vacuum_change_data(retention_s)
         return len(deleted)
 
+    def discard(self, paths: Sequence[str]) -> int:
+        """Delete data files written for a commit that will not happen (a batch its validation stopped after
+        executors wrote its files): they go now, not at a full vacuum a retention later. ``paths`` as in the add
+        actions (relative, URL-encoded); files a commit names must never be given."""
+        from urllib.parse import unquote
+
+        settings = self.tables.settings
+        prefix = self.uri.split("/", 3)[3]
+        keys = [f"{prefix}/{unquote(p)}" for p in paths]
+        return log_store(settings).delete_keys(settings.bucket_lake, keys) if keys else 0
+
     def _vacuum_change_data(self, retention_s: float) -> int:
         """Delete the change-data files (``_change_data/``: a DELETE's on a table with the change feed, e.g. a
         rewind's) written longer than ``retention_s`` ago, which delta-rs's vacuum leaves: only a read of the

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import logging
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,8 @@ from millpond.runtime.engines.spark_watchdog import watched
 if TYPE_CHECKING:
     from millpond.runtime.commits import PhaseTimer
     from millpond.runtime.context import BatchContext
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -288,12 +291,25 @@ def run_one_task(job: BatchContext, work: BatchWork, timer: PhaseTimer
 
         got = read_frames(frames)
         timer.begin("validation")
-        validate(job, work.batch, clock, got["accepted"], got["panes"], got["state"])
+        try:
+            validate(job, work.batch, clock, got["accepted"], got["panes"], got["state"])
+        except Exception:
+            _discard(job, written)
+            raise
         timer.lap("validation")
     job.commits.defer()
     _queue_commits(job, txn, the_plan, written, meta, current)
     counts = {"files": len(the_plan["files"]), **meta["counts"]}
     return counts, clock, meta["max_event_time"]
+
+
+def _discard(job: BatchContext, written: dict[str, list[dict[str, Any]]]) -> None:
+    """The task's files of a batch its validation stopped: nothing will commit them (a retry writes its own)."""
+    for table, files in written.items():
+        try:
+            job.tables.table(job.name, table).discard([a["path"] for a in files])
+        except Exception as exc:  # noqa: BLE001 - the validation's failure is the one to report; a vacuum ends them
+            log.warning("%s: the uncommitted files of %s stay until a full vacuum: %s", job.name, table, exc)
 
 
 def _queue_commits(job: BatchContext, txn: Txn, the_plan: dict[str, Any], written: dict[str, list[dict[str, Any]]],
