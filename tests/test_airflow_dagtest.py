@@ -12,6 +12,7 @@ import signal
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from urllib.parse import quote
 
 import airflow_env
 import pyarrow as pa
@@ -219,6 +220,18 @@ def test_backfill_equals_live_runs(settings: Settings, conf_dir: Path, airflow_s
                                             r"2026-01-05T12:15:00Z\).*run the same reprocess again"):
         Unqueued(stack_settings, p, T0 + STEP, T0 + 2 * STEP, reprocess="completed", stack=stack,
                  unqueued=3).run(timeout=400, echo=lines.append)
+    # A run that had failed (marked so here) is left alone by a plain backfill, which says so and how to redo it
+    # (not "see the task logs" of a failure older than it); a backfill with reprocess "failed" redoes it.
+    plain = Backfill(stack_settings, p, T0 + STEP, T0 + 2 * STEP, stack=stack)
+    (run,) = plain.runs()
+    plain.api("PATCH", f"/dags/{plain.dag_id}/dagRuns/{quote(run['dag_run_id'], safe='')}", {"state": "failed"})
+    with pytest.raises(MillpondError, match=r"1 of the range's runs of millpond_afpipe had failed before this "
+                                            r"backfill.*backfill with --reprocess failed"):
+        plain.run(timeout=400, echo=lines.append)
+    states = Backfill(stack_settings, p, T0 + STEP, T0 + 2 * STEP, reprocess="failed", stack=stack).run(
+        timeout=400, echo=lines.append)
+    assert states == {run["dag_run_id"]: "success"}, lines
+    assert T0 + 2 * STEP in backfilled.read_arrow(p, "batches").column("processing_time").to_pylist()
 
 
 class Unqueued(Backfill):

@@ -29,6 +29,8 @@ from millpond.orchestration.dagfactory import DAG_PREFIX, TASK_ID, pipelines_dir
 TERMINAL = {"success", "failed"}
 #: a reprocess's run Airflow left as it was (queued before the backfill was made): its batch was not redone
 NOT_RERUN = "not re-run"
+#: a run that had failed before a backfill which leaves failed runs alone (``--reprocess none``)
+FAILED_BEFORE = "failed before"
 
 
 def parse_time(text: str) -> datetime:
@@ -195,8 +197,8 @@ class Backfill:
     def wait(self, backfill_id: int, timeout: float, echo=print) -> dict[str, str]:
         """Print progress (batches done / total, events per batch) until every run ended; return states.
 
-        In a reprocess every run must run again: one Airflow left as it was (queued before this backfill was
-        made) is ``NOT_RERUN``, whatever its old state, and its old summary is not reported."""
+        A run Airflow left as it was (queued before this backfill was made) is not this backfill's: its old summary
+        is not reported, and ``_state`` says what it is (in a reprocess, ``NOT_RERUN`` whatever its old state)."""
         deadline = time.monotonic() + timeout
         reported: set[str] = set()
         last_line = ""
@@ -216,8 +218,8 @@ class Backfill:
                 last_line = line
             # Airflow queues (or queues again) every run of a backfill as it makes it: a run it left as it was
             # stays so, and need not wait for the scheduler to mark the backfill completed (every 30 s)
-            if all(v in TERMINAL | {NOT_RERUN} for v in states.values()) and (
-                    backfill.get("completed_at") or NOT_RERUN in states.values()):
+            if all(v in TERMINAL | {NOT_RERUN, FAILED_BEFORE} for v in states.values()) and (
+                    backfill.get("completed_at") or {NOT_RERUN, FAILED_BEFORE} & set(states.values())):
                 return states
             if time.monotonic() > deadline:
                 raise MillpondError(f"backfill {backfill_id} of {self.dag_id} not finished after {timeout:.0f}s "
@@ -233,12 +235,16 @@ class Backfill:
             raise
 
     def _state(self, run: dict[str, Any], backfill: dict[str, Any]) -> str:
-        """The run's state for this backfill: Airflow queues a reprocess's runs again as it makes the backfill
-        (their ``queued_at`` is then at or after its ``created_at``, both the API server's clock)."""
-        if self.reprocess != "completed" or run["state"] not in TERMINAL:
-            return run["state"]
-        queued = run.get("queued_at")
-        return run["state"] if queued and parse_time(queued) >= parse_time(backfill["created_at"]) else NOT_RERUN
+        """The run's state for this backfill. Airflow queues the runs it makes or redoes as it makes the backfill
+        (their ``queued_at`` is then at or after its ``created_at``, both the API server's clock); one ended
+        before was left as it was: ``NOT_RERUN`` where the reprocess behaviour redoes it, ``FAILED_BEFORE`` for a
+        failure a plain backfill leaves alone, else its state."""
+        state, queued = run["state"], run.get("queued_at")
+        if state not in TERMINAL or (queued and parse_time(queued) >= parse_time(backfill["created_at"])):
+            return state
+        if self.reprocess == "completed" or (self.reprocess == "failed" and state == "failed"):
+            return NOT_RERUN
+        return FAILED_BEFORE if state == "failed" else state
 
     def _detail(self, run: dict[str, Any]) -> str:
         s = self.batch_summary(run["dag_run_id"]) if run["state"] == "success" else None
@@ -354,10 +360,7 @@ class Backfill:
             stale = sorted(k for k, v in states.items() if v == NOT_RERUN)
             if not stale:
                 break
-            try:  # it has no run left to run: ended now, not at the scheduler's next pass (every 30 s)
-                self.api("PUT", f"/backfills/{created['id']}/cancel")
-            except MillpondError:  # completed meanwhile (409): ``create`` waits out what is left
-                pass
+            self._end(created["id"])
             if attempt == 2:
                 break
             # On SQLite a create Airflow refused half-way can leave the backfill without its runs queued again.
@@ -365,12 +368,25 @@ class Backfill:
             echo(f"backfill {created['id']} of {self.dag_id} ended without running {len(stale)} of its runs again "
                  f"(e.g. {stale[0]}): creating it again")
             created = self.create()
-        failed = [k for k, v in states.items() if v not in ("success", NOT_RERUN)]
+        failed = [k for k, v in states.items() if v == "failed"]
         if failed:
             raise MillpondError(f"{len(failed)} of {len(states)} backfill runs of {self.dag_id} failed "
                                 f"(e.g. {failed[0]}): see the task logs in the UI")
+        if before := sorted(k for k, v in states.items() if v == FAILED_BEFORE):
+            self._end(created["id"])
+            raise MillpondError(f"{len(before)} of the range's runs of {self.dag_id} had failed before this backfill, "
+                                f"which leaves them as they are (e.g. {before[0]}): backfill with --reprocess failed "
+                                "to redo them")
         self.check_committed(created["id"])
         return {k: "success" if v == NOT_RERUN else v for k, v in states.items()}
+
+    def _end(self, backfill_id: int) -> None:
+        """End a backfill with no run left to run now, not at the scheduler's next pass (every 30 s), so the
+        next backfill of the DAG can be made at once."""
+        try:
+            self.api("PUT", f"/backfills/{backfill_id}/cancel")
+        except MillpondError:  # completed meanwhile (409): ``create`` waits out what is left
+            pass
 
     def check_committed(self, backfill_id: int) -> None:
         """A backfill that says done has reached the end of its range: its last batch is committed (a reprocess:
