@@ -398,10 +398,11 @@ class Backfill:
         if self.conf.get("dry_run"):
             return
         tables = Tables(self.stack.settings)
-        done = tables.read_arrow(self.info.name, "batches", columns=["processing_time"]).column("processing_time") \
-            .to_pylist() if tables.exists(self.info.name, "batches") else []
+        reached = max(tables.read_arrow(self.info.name, "batches", columns=["processing_time"])
+                      .column("processing_time").to_pylist(), default=None) \
+            if tables.exists(self.info.name, "batches") else None
         due = [self.start + i * self.info.batch_interval for i in range(1, self.total + 1)]
-        if missing := [_iso(t) for t in due if not done or t > max(done)]:
+        if missing := [_iso(t) for t in due if reached is None or t > reached]:
             what, verb = ("reprocess", "redo") if self.reprocess == "completed" else ("backfill", "commit")
             span = missing[0] + (f" to {missing[-1]}" if len(missing) > 1 else "")
             raise MillpondError(f"the {what} of {self.info.name} did not {verb} {len(missing)} of its {len(due)} "
