@@ -42,6 +42,11 @@ class Table:
     def uri(self) -> str:
         return self.tables.uri(self.pipeline, self.name)
 
+    @property
+    def key(self) -> str:
+        """The table's key prefix in the lake bucket (its uri without ``s3://bucket/``): where its objects are."""
+        return self.uri.split("/", 3)[3]
+
     def exists(self) -> bool:
         return self.tables.exists(self.pipeline, self.name)
 
@@ -179,7 +184,7 @@ class Table:
     def _log(self, after: int | None = None, upto: int | None = None) -> list[tuple[int, str, Any]]:
         """The log's entries (version, "json" or "checkpoint", the stored object) after ``after``'s commit and up
         to ``upto``."""
-        prefix = self.uri.split("/", 3)[3] + "/_delta_log/"
+        prefix = self.key + "/_delta_log/"
         start = None if after is None else f"{prefix}{after:020d}.json"
         stop = None if upto is None else f"{prefix}{upto + 1:020d}"
         settings = self.tables.settings
@@ -242,8 +247,7 @@ class Table:
         from urllib.parse import unquote
 
         settings = self.tables.settings
-        prefix = self.uri.split("/", 3)[3]
-        keys = [f"{prefix}/{unquote(p)}" for p in paths]
+        keys = [f"{self.key}/{unquote(p)}" for p in paths]
         return log_store(settings).delete_keys(settings.bucket_lake, keys) if keys else 0
 
     def _vacuum_change_data(self, retention_s: float) -> int:
@@ -253,7 +257,7 @@ class Table:
         settings = self.tables.settings
         store = log_store(settings)
         cutoff = time.time() - retention_s - 1
-        old = [o.key for o in store.list(settings.bucket_lake, self.uri.split("/", 3)[3] + "/_change_data/")
+        old = [o.key for o in store.list(settings.bucket_lake, self.key + "/_change_data/")
                if o.last_modified < cutoff]
         return store.delete_keys(settings.bucket_lake, old) if old else 0
 
