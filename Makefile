@@ -51,6 +51,7 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.lock
 	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m millpond.orchestration.bytecode
 	@touch $(STAMP)
 
 datadocs-assets: $(ASSETS_STAMP) ## CSS/JS for offline Data Docs (npm, pinned by the lock file)

@@ -1282,6 +1282,9 @@ def run_bench(settings: Settings, plan: Plan, spark, workdir: Path, log: Callabl
 def main_bench(plan: Plan, out: Path | None, log: Callable[[str], None] = print,
                steps: list[str] | None = None) -> dict:
     """Start a private store (and a SparkSession), run, stop everything, write ``out``."""
+    from millpond.orchestration.bytecode import compile_sources
+
+    compile_sources()  # the clients and tasks import cached bytecode, as a deployed stack's do
     home = Path(tempfile.mkdtemp(prefix="millpond-bench-"))
     env = isolated_store_env(home)
     if "PYSPARK_SUBMIT_ARGS" not in os.environ:  # no console progress bars in the bench's log

@@ -41,6 +41,15 @@ def _stem(nodeid: str) -> str:
     return nodeid.split("::", 1)[0].rpartition("/")[2].removesuffix(".py")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Millpond's bytecode cached once, before any worker starts: the suite's many CLI, task and client
+    processes then import it rather than compile it each (``PYTHONDONTWRITEBYTECODE`` is set on CI machines)."""
+    if not hasattr(config, "workerinput"):
+        from millpond.orchestration.bytecode import compile_sources
+
+        compile_sources()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         module = _stem(item.nodeid)

@@ -5,9 +5,10 @@ Why: on Linux the LocalExecutor forks its workers from the scheduler, and each t
 so what the scheduler imported before its executor started is in every task's process at no cost. A task
 otherwise spends seconds importing Great Expectations, pandas, pyarrow, delta-rs and minio before its batch
 validates (Great Expectations alone: 3-9 s on two busy cores), many times what a 1k-event batch takes.
-Only third-party libraries are loaded, and none of them starts a thread on import: Millpond's own modules
-are still imported by each task, so an edited pipeline or engine takes effect at the next run, as before
-(a library upgrade needs an Airflow restart, as any install does).
+Only third-party libraries are loaded (and boto3's S3 model, :mod:`millpond.lake.s3_model`), and none of them
+starts a thread: Millpond's own modules are still imported by each task, so an edited pipeline or engine
+takes effect at the next run, as before (a library upgrade needs an Airflow restart, as any install does); the
+stack caches their bytecode when it starts (:mod:`millpond.orchestration.bytecode`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import importlib
 import sys
 
 #: what a batch's task imports that costs the most (measured with ``python -X importtime``)
-PRELOAD = ("pyarrow", "pyarrow.compute", "pyarrow.json", "pandas", "deltalake", "minio", "great_expectations")
+PRELOAD = ("pyarrow", "pyarrow.compute", "pyarrow.json", "pandas", "deltalake", "minio", "great_expectations", "boto3")
 
 
 def preload(modules: tuple[str, ...] = PRELOAD) -> list[str]:
@@ -34,6 +35,9 @@ def main() -> None:
     from airflow.__main__ import main as airflow_main
 
     failed = preload()
+    from millpond.lake import s3_model  # imports nothing of Millpond's: see its docstring
+
+    s3_model.warm()
     if failed:
         print(f"millpond: not preloaded (tasks import them): {', '.join(failed)}", file=sys.stderr, flush=True)
     sys.argv = ["airflow", *sys.argv[1:]]

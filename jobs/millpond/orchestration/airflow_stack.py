@@ -27,6 +27,7 @@ from typing import Any
 
 from millpond.config import PROJECT_ROOT, Settings
 from millpond.errors import ApiRefused, MillpondError, PrerequisiteMissing
+from millpond.orchestration.bytecode import compile_sources
 from millpond.orchestration.processes import port_free, read_pid, run_dir, stop_group
 
 # Start order; stop goes the other way (the api-server last: running tasks report to it).
@@ -320,6 +321,7 @@ class AirflowStack:
             )
         self.home.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        compile_sources()  # every task imports Millpond and the DAG file: compiled once here, not in each task
         env = self._environment(fresh=len(missing) == len(COMPONENTS))
         check_database(env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"])  # a server database: reachable, or one line
         migrate = subprocess.run(airflow_binary() + ["db", "migrate"], env=env, capture_output=True, text=True,

@@ -187,19 +187,22 @@ def get_context(settings: Settings, engine: str = PANDAS) -> Any:
         return context
 
 
-def warm_context(settings: Settings) -> None:
-    """Load the Spark-ready context in a background thread, so a batch that validates on Spark finds it loaded.
+def warm_context(settings: Settings, engine: str = SPARK) -> None:
+    """Load the context (``engine``'s checkpoints ready) in a background thread, so a batch's validation finds
+    it loaded.
 
-    Why: the load is 0.2-0.5 s of Python (YAML, stores, checkpoints) that a task's process pays once, and the
-    batch's own thread spends the time before validation waiting on Spark jobs (a first load also adds the
-    Spark datasource, which finds the process's default session from any thread). A failed load is only
-    logged: the validation loads the context again and reports what went wrong."""
-    if gx_root(settings) in _SPARK_READY:
+    Why: the load is 0.1-0.5 s of Python (YAML, stores, checkpoints) that a task's process pays once, and the
+    batch's own thread spends the time before validation waiting on Spark jobs (a first Spark load also adds the
+    Spark datasource, which finds the process's default session from any thread; the one-task form validates on
+    pandas, after its one Spark job). A failed load is only logged: the validation loads the context again and
+    reports what went wrong."""
+    root = gx_root(settings)
+    if root in _SPARK_READY or (engine == PANDAS and root in _CONTEXTS):
         return
 
     def load() -> None:
         try:
-            get_context(settings, SPARK)
+            get_context(settings, engine)
         except Exception as exc:  # noqa: BLE001 - the validation's own load reports it
             log.debug("Great Expectations context not loaded ahead: %s", exc)
 

@@ -270,6 +270,10 @@ def run_one_task(job: BatchContext, work: BatchWork, timer: PhaseTimer
                       work.watermark,
                       [] if current is None else data_files(current),
                       None if current is None else table_schema(current), validate=job.validate)
+    if job.validate:  # the suites' context loads while this thread waits on the task
+        from millpond.quality.context import PANDAS, warm_context
+
+        warm_context(job.settings, PANDAS)
     task = functools.partial(run_task, given)
     with watched(job.spark, job.settings.spark_connect_url, job.settings.spark_timeout_s):
         rows = job.spark.range(0, 1, 1, 1).mapInArrow(task, spark_io.spark_schema(spark_io.WRITTEN)).collect()
