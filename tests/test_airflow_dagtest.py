@@ -262,6 +262,43 @@ def test_a_backfill_airflow_removed_is_named_as_gone(airflow_stack) -> None:
         backfill.wait(999999, timeout=60, echo=lambda _: None)
 
 
+def test_millpond_run_catches_up_through_one_backfill(airflow_stack, capsys: pytest.CaptureFixture) -> None:
+    """`make run`'s catch-up on a running stack (`millpond run`): a pipeline's recent intervals are one Backfill,
+    with the steps of `millpond backfill` (made again when Airflow leaves it unrun, the runs that had failed
+    before named, its batches checked committed), and its DAG, paused, is unpaused once the backfill is made."""
+    from millpond.config.pipelines import load_pipelines
+    from millpond.model.timeutil import to_us
+    from millpond.surface.run import recent_intervals, run_via_airflow
+
+    stack, s = airflow_stack
+    name = "afrun"
+    airflow_env.write_conf_dir(s.conf_dir, names=(airflow_env.PIPELINE, name))
+    spec = load_pipelines(s.conf_dir)[name]
+    dag = Backfill(s, name, T0, T0 + STEP, stack=stack)  # its API client
+    dag.wait_for_dag()
+    # as the shipped settings make a new DAG: paused, no run yet (this stack's DAGs start unpaused, and the
+    # scheduled run it made meanwhile, which does nothing here, would be left as it is by a plain backfill)
+    dag.api("PATCH", f"/dags/{dag.dag_id}", {"is_paused": True})
+    deadline = time.monotonic() + 120
+    while (runs := dag.api("GET", f"/dags/{dag.dag_id}/dagRuns?limit=50")["dag_runs"]) and any(
+            r["state"] in ("queued", "running") for r in runs) and time.monotonic() < deadline:
+        time.sleep(1.0)  # a run is deleted once it has ended
+    for run in runs:
+        dag.api("DELETE", f"/dags/{dag.dag_id}/dagRuns/{quote(run['dag_run_id'])}")
+    before = [to_us(end) for _, end in recent_intervals(spec, 2)]
+    try:
+        run_via_airflow(s, [spec], 2)
+    except MillpondError as exc:
+        raise AssertionError(f"{exc}; task logs: {[line for line in task_log_lines(s) if name in line]}") from exc
+    after = [to_us(end) for _, end in recent_intervals(spec, 2)]
+    done = sorted(to_us(t) for t in Tables(s).read_arrow(name, "batches").column("processing_time").to_pylist())
+    assert done in (before, after), (done, before, after)
+    assert dag.api("GET", f"/dags/{dag.dag_id}")["is_paused"] is False
+    runs = dag.api("GET", f"/dags/{dag.dag_id}/dagRuns?limit=20")["dag_runs"]  # the schedule has carried on too
+    assert sorted(r["state"] for r in runs if r["run_type"] == "backfill") == ["success"] * 2, runs
+    assert "2/2 batches done" in capsys.readouterr().out
+
+
 def test_a_dead_scheduler_is_restarted(airflow_stack) -> None:
     """Airflow's scheduler exits on some database races and expects a supervisor: the embedded stack is
     its own (backfills and the UI test revive dead components while they wait)."""

@@ -69,7 +69,10 @@ class Backfill:
 
     def __init__(self, settings: Settings, pipeline: str, start: datetime, end: datetime,
                  reprocess: str = "none", stack: AirflowStack | None = None,
-                 conf: dict[str, Any] | None = None) -> None:
+                 conf: dict[str, Any] | None = None, unpause: bool = False) -> None:
+        """``unpause``: unpause the DAG once the backfill is made (``millpond run``: a new DAG, paused at
+        creation, whose schedule carries on after the backfill; the live run of the newest interval, due at
+        unpause, finds the backfill made and leaves the range's files to it)."""
         infos = {}
         for path in sorted(pipelines_dir(settings).glob("*.yaml")):
             try:
@@ -90,6 +93,7 @@ class Backfill:
         self.conf = dict(conf or {})  # trigger params for every run, e.g. {"demo": True}
         self.stack = stack or AirflowStack(settings)
         self.dag_id = DAG_PREFIX + self.info.name
+        self.unpause = unpause
         self._token: str | None = None
 
     @property
@@ -341,6 +345,8 @@ class Backfill:
 
     def _create_and_wait(self, wait: bool, timeout: float, echo) -> dict[str, str]:
         created = self.create()
+        if self.unpause:
+            self.api("PATCH", f"/dags/{self.dag_id}", {"is_paused": False})
         echo(f"backfill {created['id']} of {self.dag_id}: {self.total} batches over "
              f"[{_iso(self.start)}, {_iso(self.end)}) every {self.info.batch_interval} -> {self.stack.url}/dags/"
              f"{self.dag_id}")

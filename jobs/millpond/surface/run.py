@@ -53,7 +53,7 @@ def last_committed(settings: Settings, spec: PipelineSpec) -> datetime | None:
 def run_via_airflow(settings: Settings, specs: list[PipelineSpec], batches: int, engine: str | None = None) -> None:
     """Backfill each pipeline's recent intervals as Airflow DAG runs, then let the schedule carry on.
 
-    The backfill is created while the DAG is still paused (new DAGs are), then the DAG is unpaused and the
+    Each is a ``Backfill``: created while the DAG is still paused (new DAGs are), then the DAG is unpaused and the
     backfill runs in order; meanwhile the pipeline's live runs leave their files to it (``hold_live_runs``), so
     the scheduler cannot commit the newest interval first. Intervals already committed are not asked for again.
     ``engine``: a forced engine (``--engine``), passed in the runs' conf (their tasks choose by it).
@@ -71,26 +71,10 @@ def run_via_airflow(settings: Settings, specs: list[PipelineSpec], batches: int,
         if start >= end:
             print(f"{spec.name}: up to date (last batch at {last.isoformat()}); live runs continue in Airflow")
             continue
-        job = Backfill(settings, spec.name, start, end, conf={"demo": True} | ({"engine": engine} if engine else {}),
-                       stack=stack)
-        job.check_order()
-        job.wait_for_dag()
-        job.hold_live_runs()  # the live run of the newest interval, due at unpause, waits for the backfill
-        try:
-            created = job.create()
-            job.api("PATCH", f"/dags/{job.dag_id}", {"is_paused": False})
-            print(f"{spec.name}: backfill {created['id']} of {job.total} batches "
-                  f"[{start.isoformat()}, {end.isoformat()}) through Airflow -> {stack.url}/dags/{job.dag_id}")
-            states = job.wait(created["id"], timeout=1800)
-        finally:
-            job.release_live_runs()
-        failed = [k for k, v in states.items() if v != "success"]
-        if failed:
-            from millpond.errors import MillpondError
-
-            raise MillpondError(f"{len(failed)} of {len(states)} runs of {job.dag_id} failed (e.g. {failed[0]}): "
-                                f"see the task logs at {stack.url}/dags/{job.dag_id}")
-        job.check_committed(created["id"])  # Airflow's word that its runs succeeded is not enough
+        # the Backfill's own steps (remade when Airflow leaves it unrun, runs that failed before named, the
+        # batches checked committed), with the DAG unpaused once it is made
+        Backfill(settings, spec.name, start, end, conf={"demo": True} | ({"engine": engine} if engine else {}),
+                 stack=stack, unpause=True).run(timeout=1800)
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
