@@ -276,8 +276,8 @@ def test_millpond_run_catches_up_through_one_backfill(airflow_stack, capsys: pyt
     spec = load_pipelines(s.conf_dir)[name]
     dag = Backfill(s, name, T0, T0 + STEP, stack=stack)  # its API client
     dag.wait_for_dag()
-    # as the shipped settings make a new DAG: paused, no run yet (this stack's DAGs start unpaused, and the
-    # scheduled run it made meanwhile, which does nothing here, would be left as it is by a plain backfill)
+    # as the shipped settings make a new DAG: paused, no run yet (this stack's DAGs start unpaused, and make a
+    # scheduled run, which does nothing here: see the test below)
     dag.api("PATCH", f"/dags/{dag.dag_id}", {"is_paused": True})
     deadline = time.monotonic() + 120
     while (runs := dag.api("GET", f"/dags/{dag.dag_id}/dagRuns?limit=50")["dag_runs"]) and any(
@@ -297,6 +297,53 @@ def test_millpond_run_catches_up_through_one_backfill(airflow_stack, capsys: pyt
     runs = dag.api("GET", f"/dags/{dag.dag_id}/dagRuns?limit=20")["dag_runs"]  # the schedule has carried on too
     assert sorted(r["state"] for r in runs if r["run_type"] == "backfill") == ["success"] * 2, runs
     assert "2/2 batches done" in capsys.readouterr().out
+
+
+def test_a_plain_backfill_redoes_a_run_that_succeeded_without_its_batch(airflow_stack) -> None:
+    """A scheduled run while ``airflow.scheduled_runs`` is off succeeds and commits nothing. A plain backfill
+    leaves the range's ended runs as they are, so its interval stayed uncommitted whatever backfill ran: now the
+    backfill has Airflow redo the range's ended runs (reprocess "completed"; a committed batch skips) and says so,
+    whether it finds such a run as it is made or once its runs ended (a live run held while it ran)."""
+    from millpond.model.timeutil import to_us
+
+    stack, s = airflow_stack
+    names = ("afidle", "aflate")
+    airflow_env.write_conf_dir(s.conf_dir, names=(airflow_env.PIPELINE, *names))
+    ends = {}
+    for name in names:
+        probe = Backfill(s, name, T0, T0 + STEP, stack=stack)  # its API client
+        probe.wait_for_dag()
+        deadline = time.monotonic() + 180  # unpaused at creation: the scheduler makes the newest interval's run
+        while not (idle := [r for r in probe.api("GET", f"/dags/{probe.dag_id}/dagRuns?limit=50")["dag_runs"]
+                            if r["run_type"] == "scheduled" and r["state"] == "success"]):
+            assert time.monotonic() < deadline, f"the scheduler made no scheduled run of {probe.dag_id}"
+            time.sleep(2.0)
+        ends[name] = datetime.fromisoformat(idle[0]["data_interval_end"].replace("Z", "+00:00"))
+        assert not Tables(s).exists(name, "batches")  # it did nothing
+    for name, kind in zip(names, (Backfill, SeesIdleLate), strict=True):
+        lines: list[str] = []
+        try:
+            states = kind(s, name, ends[name] - 2 * STEP, ends[name], stack=stack, conf={"demo": True}).run(
+                timeout=400, echo=lines.append)
+        except MillpondError as exc:
+            raise AssertionError(f"{name}: {exc}; {lines}") from exc
+        assert sorted(states.values()) == ["success"] * 2, (name, lines)
+        assert sum(f"1 of the range's runs of millpond_{name} had succeeded without committing a batch" in line
+                   for line in lines) == 1, (name, lines)
+        done = sorted(to_us(t) for t in Tables(s).read_arrow(name, "batches").column("processing_time").to_pylist())
+        assert done == [to_us(ends[name] - STEP), to_us(ends[name])], (name, lines)
+
+
+class SeesIdleLate(Backfill):
+    """A backfill made before the range's idle run had ended: it finds that run only once its own runs ended."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.checks = 0
+
+    def redo_idle_runs(self, echo=print) -> bool:
+        self.checks += 1
+        return self.checks > 1 and super().redo_idle_runs(echo)
 
 
 def test_a_dead_scheduler_is_restarted(airflow_stack) -> None:

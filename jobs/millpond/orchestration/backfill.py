@@ -90,6 +90,8 @@ class Backfill:
         if self.end > datetime.now(UTC):
             raise MillpondError(f"TO ({_iso(self.end)}) is in the future: a backfill covers past intervals only")
         self.reprocess = reprocess
+        #: what Airflow is asked to redo of the range's ended runs (``redo_idle_runs`` can widen it)
+        self.behaviour = reprocess
         self.conf = dict(conf or {})  # trigger params for every run, e.g. {"demo": True}
         self.stack = stack or AirflowStack(settings)
         self.dag_id = DAG_PREFIX + self.info.name
@@ -124,7 +126,7 @@ class Backfill:
             # Airflow's bounds are logical dates (= interval starts), both inclusive.
             "to_date": _iso(self.end - self.info.batch_interval),
             "run_backwards": False,
-            "reprocess_behavior": self.reprocess,
+            "reprocess_behavior": self.behaviour,
             "max_active_runs": 1,
             "dag_run_conf": {**self.conf, "backfill_from": _iso(self.start), "backfill_to": _iso(self.end)},
         }
@@ -246,7 +248,7 @@ class Backfill:
         state, queued = run["state"], run.get("queued_at")
         if state not in TERMINAL or (queued and parse_time(queued) >= parse_time(backfill["created_at"])):
             return state
-        if self.reprocess == "completed" or (self.reprocess == "failed" and state == "failed"):
+        if self.behaviour == "completed" or (self.behaviour == "failed" and state == "failed"):
             return NOT_RERUN
         return FAILED_BEFORE if state == "failed" else state
 
@@ -334,10 +336,29 @@ class Backfill:
 
         catchup.release_live_runs(Tables(self.stack.settings), self.info.name, by=f"backfill of {self.dag_id}")
 
+    def redo_idle_runs(self, echo=print) -> bool:
+        """A plain backfill leaves the range's ended runs as they are. A run that succeeded without committing its
+        batch (a scheduled run while ``airflow.scheduled_runs`` is off, or a live run a backfill held, does
+        nothing) would then leave its interval uncommitted, whatever backfill ran. With such a run in the range,
+        Airflow is asked to redo the range's ended runs (its reprocess "completed", without a rewind: a committed
+        batch skips, a failed run is redone too). True when it widened the backfill so."""
+        if self.behaviour == "completed" or self.conf.get("dry_run"):
+            return False
+        reached = self.reached()
+        idle = [r["dag_run_id"] for r in self.runs() if r["state"] == "success"
+                and (reached is None or parse_time(r["data_interval_end"]) > reached)]
+        if idle:
+            self.behaviour = "completed"
+            echo(f"{len(idle)} of the range's runs of {self.dag_id} had succeeded without committing a batch "
+                 f"(e.g. {idle[0]}: a scheduled run while airflow.scheduled_runs is off, or a live run a backfill "
+                 "held, does nothing): the backfill redoes the range's ended runs (committed batches skip)")
+        return bool(idle)
+
     def _run(self, wait: bool, timeout: float, echo) -> dict[str, str]:
         if self.reprocess != "completed":  # a reprocess's rewind holds them already
             self.hold_live_runs()
         try:
+            self.redo_idle_runs(echo)
             return self._create_and_wait(wait, timeout, echo)
         finally:
             if wait:
@@ -383,6 +404,9 @@ class Backfill:
             raise MillpondError(f"{len(before)} of the range's runs of {self.dag_id} had failed before this backfill, "
                                 f"which leaves them as they are (e.g. {before[0]}): backfill with --reprocess failed "
                                 "to redo them")
+        if self.redo_idle_runs(echo):  # a live run of the range held meanwhile: it ended without its batch
+            self._end(created["id"])
+            return self._create_and_wait(wait, timeout, echo)
         self.check_committed(created["id"])
         return {k: "success" if v == NOT_RERUN else v for k, v in states.items()}
 
@@ -394,19 +418,24 @@ class Backfill:
         except MillpondError:  # completed meanwhile (409): ``create`` waits out what is left
             pass
 
+    def reached(self) -> datetime | None:
+        """The processing time of the pipeline's last committed batch (None before its first)."""
+        from millpond.lake.tables import Tables
+
+        tables = Tables(self.stack.settings)
+        if not tables.exists(self.info.name, "batches"):
+            return None
+        return max(tables.read_arrow(self.info.name, "batches", columns=["processing_time"])
+                   .column("processing_time").to_pylist(), default=None)
+
     def check_committed(self, backfill_id: int) -> None:
         """A backfill that says done has reached the end of its range: its last batch is committed (a reprocess:
         again, as its rewind removed it). Airflow's word that the runs succeeded is not enough: on SQLite, a create
         it refused half-way can leave a backfill that ends with none of its runs made, or made again. (A batch
         missing before a committed one is not lost: the later batch took its files.)"""
-        from millpond.lake.tables import Tables
-
         if self.conf.get("dry_run"):
             return
-        tables = Tables(self.stack.settings)
-        reached = max(tables.read_arrow(self.info.name, "batches", columns=["processing_time"])
-                      .column("processing_time").to_pylist(), default=None) \
-            if tables.exists(self.info.name, "batches") else None
+        reached = self.reached()
         due = [self.start + i * self.info.batch_interval for i in range(1, self.total + 1)]
         if missing := [_iso(t) for t in due if reached is None or t > reached]:
             what, verb = ("reprocess", "redo") if self.reprocess == "completed" else ("backfill", "commit")
