@@ -141,3 +141,23 @@ def test_a_file_is_read_for_its_timers_only_when_one_may_be_due() -> None:
     assert not due({**later, "null_count.ptime_timer": 4, "min.ptime_timer": at(2_001_000)}, clock)
     assert _key_range(later) == ("a", "c") and _key_range({**later, "min.key": None}) is None
     assert _key_range({**later, "max.key": "k" * 32}) == ("a", None)  # perhaps cut short: no upper bound
+
+
+def test_a_batch_is_sized_by_the_stored_windows_it_reads_not_by_the_table() -> None:
+    """``StateFiles.may_read``, which sizes the per-key step and the writes (``spark_batch.step_partitions``):
+    every row of a file read whatever the batch's keys (a due timer, no statistics), and of the other files at
+    most ``READ_PER_ELEMENT`` rows an element, so a small batch over a big table of stored windows stays narrow
+    (before, every stored window counted, and a 10k-event batch over 1M windows ran four times as many tasks)."""
+    from millpond.lake.spark_ranged import RangedFile
+    from millpond.runtime.engines.spark_state import READ_PER_ELEMENT, StateFiles
+
+    def file(rows: int) -> RangedFile:
+        return RangedFile("s3://b/t/x.parquet", {}, {}, "a", "b", rows)
+
+    table = StateFiles([file(50_000) for _ in range(20)], frozenset())
+    assert table.may_read(10_000) == READ_PER_ELEMENT * 10_000
+    assert table.may_read(10_000_000) == 1_000_000  # never more than the table
+    assert table.may_read(0) == 0
+    due = StateFiles([file(50_000) for _ in range(20)], frozenset({3, 7}))
+    assert due.may_read(10_000) == 100_000 + READ_PER_ELEMENT * 10_000
+    assert due.may_read(10_000_000) == 1_000_000

@@ -42,14 +42,16 @@ TAGS = (("_f", pa.int32()), ("_home", pa.bool_()))
 
 @dataclass(frozen=True)
 class RangedFile:
-    """One data file a rewrite may replace: its URI, partition values, the add action that removes it, and its key
-    range by statistics (``lo`` None: no statistics, any key; ``hi`` None: no upper bound)."""
+    """One data file a rewrite may replace: its URI, partition values, the add action that removes it, its key
+    range by statistics (``lo`` None: no statistics, any key; ``hi`` None: no upper bound) and its rows (0: not
+    known)."""
 
     uri: str
     partition_values: dict[str, Any]
     remove: dict[str, Any]
     lo: str | None
     hi: str | None
+    rows: int = 0
 
 
 def holding(files: Sequence[RangedFile], keys: pa.Array | pa.ChunkedArray) -> Iterator[tuple[int, np.ndarray]]:

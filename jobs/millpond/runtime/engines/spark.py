@@ -64,7 +64,9 @@ class SparkEngine(Engine):
     def run(self, job: BatchContext, work: BatchWork, timer: PhaseTimer) -> Outputs:
         from millpond.runtime.engines import spark_batch, spark_task  # pyspark is imported by Spark batches only
 
-        rows = batch_rows(job, work, self.input_rows)  # once: a stage's reads its upstream range's log entries
+        # once: a stage's reads its upstream range's log entries
+        inputs = input_rows(job, work) if self.input_rows is None else self.input_rows
+        rows = batch_rows(job, work, inputs)
         strategy = self.strategy(job, work, rows)
         timer.begin("ingest", files=len(work.plan["files"]), engine=f"{self.name}/{strategy}")
         if job.kind == "computation":
@@ -74,5 +76,5 @@ class SparkEngine(Engine):
         elif strategy == ONE_TASK:
             counts, clock, max_et = spark_task.run_one_task(job, work, timer)
         else:
-            counts, clock, max_et = spark_batch.run_on_spark(job, work, rows, timer)
+            counts, clock, max_et = spark_batch.run_on_spark(job, work, inputs, timer)
         return Outputs(counts, clock, max_et, self.name, strategy)

@@ -415,10 +415,22 @@ def _rewrite_current(job: BatchContext, txn: Txn, values, out, parts: set[tuple[
                                                         partition_by=CURRENT_PARTITIONS, removes=removes)
 
 
-def run_on_spark(job: BatchContext, work: BatchWork, rows: int, timer) -> tuple[dict[str, int], BatchClock, int | None]:
+def step_partitions(job: BatchContext, read: int, accepted: int, files: StateFiles | None) -> int:
+    """The per-key step's and the writes' tasks (and shuffles): by the batch's accepted elements and the stored
+    windows it reads (``StateFiles.may_read``), not by the stored windows it leaves alone, and never fewer than its
+    read's (``read``). The tables do not depend on it."""
+    n = max(read, batch_partitions(job.settings, accepted + (files.may_read(accepted) if files else 0)))
+    job.spark.conf.set("spark.sql.shuffle.partitions", str(n))
+    return n
+
+
+def run_on_spark(job: BatchContext, work: BatchWork, inputs: int, timer
+                 ) -> tuple[dict[str, int], BatchClock, int | None]:
     """The batch's read, dedup, watermark, per-key step and writes as Spark jobs; counts, clock, max event time.
-    ``rows``: about how many rows the batch handles (``engines.spark.batch_rows``), which sizes its shuffles. A
-    Connect server that stops answering meanwhile fails the batch within ``spark.timeout``."""
+    ``inputs``: about how many rows the batch reads (``engines.spark.input_rows``), which sizes its read; the
+    per-key step and the writes are sized once it knows its elements and the stored files it reads
+    (``step_partitions``). A Connect server that stops answering meanwhile fails the batch within
+    ``spark.timeout``."""
     if job.validate:
         from millpond.quality.context import warm_context
 
@@ -426,7 +438,7 @@ def run_on_spark(job: BatchContext, work: BatchWork, rows: int, timer) -> tuple[
     conf = job.spark.conf
     width = conf.get("spark.sql.shuffle.partitions")  # the session's, put back after (a shared session's peers)
     with watched(job.spark, job.settings.spark_connect_url, job.settings.spark_timeout_s):
-        result = _run_on_spark(job, work.txn, work.plan, rows, work.prev, work.w_in, work.processing_time,
+        result = _run_on_spark(job, work.txn, work.plan, inputs, work.prev, work.w_in, work.processing_time,
                                work.watermark, timer)
     # only after a batch that ran: a failed one's error stands (a frozen server's session takes no more calls),
     # and the next batch sets its own width anyway
@@ -434,18 +446,18 @@ def run_on_spark(job: BatchContext, work: BatchWork, rows: int, timer) -> tuple[
     return result
 
 
-def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], rows: int,
+def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], inputs: int,
                   prev: dict[str, Any] | None, w_in: int, processing_time: int, explicit_watermark, timer
                   ) -> tuple[dict[str, int], BatchClock, int | None]:
     from millpond.runtime.steps.watermark import clock_for
 
     version, seen_version = the_plan["versions"].get("windows"), the_plan["versions"].get("seen_ids")
-    partitions = batch_partitions(job.settings, rows)
+    partitions = batch_partitions(job.settings, inputs)
     job.spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
-    seen = None if seen_version is None else spark_io.read_table(job.spark, job.tables, job.name, "seen_ids",
-                                                                 seen_version, tasks=partitions)
+    seen = None if seen_version is None else spark_io.read_table(  # a scan: as many tasks as files, up to the width
+        job.spark, job.tables, job.name, "seen_ids", seen_version, tasks=job.settings.spark_shuffle_partitions)
     bad, accepted, counts, max_et, parsed = read_and_dedup(job, the_plan, processing_time, w_in, seen, partitions,
-                                                           rows)
+                                                           inputs)
     timer.lap("ingest", partitions=partitions)
     policy = job.spec.watermark_policy
     clock, max_et = clock_for(job, job.batch, processing_time, w_in, prev, max_et, the_plan, explicit_watermark,
@@ -457,6 +469,7 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], rows: i
     # only the files that can hold a window the batch may change (``spark_state``), and of those only the rows it
     # can change (the rewrite reads the files it replaces itself, ``lake.spark_ranged``)
     stored_files = None if version is None else state_files(job, version, clock)
+    partitions = step_partitions(job, partitions, counts["accepted"], stored_files)
     state = stored_windows(job, stored_files, accepted, clock)
     if state is not None:
         state = keep(job.spark, state)

@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 #: rows per ``windows`` file the engine writes: small enough that a batch touching few keys rewrites little,
 #: large enough that a 10M-window table is a few hundred files
 FILE_ROWS = 50_000
+#: about how many stored windows a batch reads per element of a file it reads for its keys (those within reach
+#: of the key's elements: its window and a neighbour it may merge with): an estimate that sizes tasks only
+READ_PER_ELEMENT = 2
 #: delta-rs may cut a string statistic to this many characters: a maximum that long is no upper bound
 STATS_TRUNCATE = 32
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -50,6 +53,14 @@ class StateFiles:
 
     files: list[RangedFile]
     always: frozenset[int]
+
+    def may_read(self, elements: int) -> int:
+        """About how many stored rows a batch of ``elements`` accepted elements reads: every row of the files read
+        whatever its keys, and of the others at most ``READ_PER_ELEMENT`` an element (not their whole size: a
+        batch's cost follows its keys)."""
+        due = sum(f.rows for i, f in enumerate(self.files) if i in self.always)
+        rest = sum(f.rows for i, f in enumerate(self.files) if i not in self.always)
+        return due + min(rest, READ_PER_ELEMENT * elements)
 
 
 def _us(value: Any) -> int | None:
@@ -94,7 +105,7 @@ def state_files(job: BatchContext, version: int, clock: BatchClock) -> StateFile
 def _ranged(file: tuple[str, dict[str, Any]], action: dict[str, Any]) -> RangedFile:
     bounds = _key_range(action)
     lo, hi = bounds if bounds is not None else (None, None)
-    return RangedFile(file[0], file[1], _remove(action), lo, hi)
+    return RangedFile(file[0], file[1], _remove(action), lo, hi, int(action.get("num_records") or 0))
 
 
 def _remove(action: dict[str, Any]) -> dict[str, Any]:
