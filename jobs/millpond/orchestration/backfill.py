@@ -222,10 +222,12 @@ class Backfill:
             if line != last_line:
                 echo(line)
                 last_line = line
-            # Airflow queues (or queues again) every run of a backfill as it makes it: a run it left as it was
-            # stays so, and need not wait for the scheduler to mark the backfill completed (every 30 s)
+            # Airflow queues (or queues again) every run of a backfill as it makes it: once every run of the range
+            # is there and ended (or was left as it was), nothing is left to run, and the backfill need not wait
+            # for the scheduler to mark it completed (every 30 s): ``_create_and_wait`` ends it
             if all(v in TERMINAL | {NOT_RERUN, FAILED_BEFORE} for v in states.values()) and (
-                    backfill.get("completed_at") or {NOT_RERUN, FAILED_BEFORE} & set(states.values())):
+                    backfill.get("completed_at") or {NOT_RERUN, FAILED_BEFORE} & set(states.values())
+                    or len(states) >= self.total):
                 return states
             if time.monotonic() > deadline:
                 raise MillpondError(f"backfill {backfill_id} of {self.dag_id} not finished after {timeout:.0f}s "
@@ -386,6 +388,7 @@ class Backfill:
                 continue
             stale = sorted(k for k, v in states.items() if v == NOT_RERUN)
             if not stale:
+                self._end(created["id"])  # its runs ended: completed now, not at the scheduler's next pass
                 break
             self._end(created["id"])
             if attempt == 2:
