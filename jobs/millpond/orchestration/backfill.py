@@ -387,11 +387,8 @@ class Backfill:
                 created = self.create()
                 continue
             stale = sorted(k for k, v in states.items() if v == NOT_RERUN)
-            if not stale:
-                self._end(created["id"])  # its runs ended: completed now, not at the scheduler's next pass
-                break
-            self._end(created["id"])
-            if attempt == 2:
+            self._end(created["id"])  # its runs ended: completed now, not at the scheduler's next pass
+            if not stale or attempt == 2:
                 break
             # On SQLite a create Airflow refused half-way can leave the backfill without its runs queued again.
             # Made again, it queues them (runs that did redo their batch skip it).
@@ -403,12 +400,10 @@ class Backfill:
             raise MillpondError(f"{len(failed)} of {len(states)} backfill runs of {self.dag_id} failed "
                                 f"(e.g. {failed[0]}): see the task logs in the UI")
         if before := sorted(k for k, v in states.items() if v == FAILED_BEFORE):
-            self._end(created["id"])
             raise MillpondError(f"{len(before)} of the range's runs of {self.dag_id} had failed before this backfill, "
                                 f"which leaves them as they are (e.g. {before[0]}): backfill with --reprocess failed "
                                 "to redo them")
         if self.redo_idle_runs(echo):  # a live run of the range held meanwhile: it ended without its batch
-            self._end(created["id"])
             return self._create_and_wait(wait, timeout, echo)
         self.check_committed(created["id"])
         return {k: "success" if v == NOT_RERUN else v for k, v in states.items()}
