@@ -304,3 +304,36 @@ def test_table_noun_restores_a_version_as_a_new_commit(tables, pipeline_name) ->
     assert table.read(version=1).num_rows == 3  # time travel still sees the undone commit
     assert table.restore(0, txn=Txn("noun-restore", 1)) is None  # applied already: no second commit
     assert [h["operation"] for h in table.history()][0] == "RESTORE"
+
+
+def test_a_cluster_master_ui_that_answers_html_is_not_up_yet(settings, tmp_path: Path) -> None:
+    """While the standalone master's web UI starts (or when another server answers on its port), ``/json/`` can
+    return an HTML page: that is "no worker registered yet", to be asked again until the start's deadline, not a
+    JSON error that ends the start at once (a CI run failed so)."""
+    import http.server
+    import threading
+
+    from millpond.orchestration.processes import free_port
+    from millpond.orchestration.spark_server import StandaloneCluster
+
+    class Html(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = b'<!DOCTYPE html><html data-bs-theme="light"><body>Spark</body></html>'
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    port = free_port()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Html)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cluster = StandaloneCluster(settings.with_overrides(home=tmp_path), workers=2)
+        assert cluster.alive_workers(port) == 0
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -266,12 +266,15 @@ class StandaloneCluster:
         require_java()
         for sub in ("work", "local", "tmp"):
             (self.settings.home / "spark" / sub).mkdir(parents=True, exist_ok=True)
-        ui = free_port()
+        ports: set[int] = {self.master_port}  # the web UIs' ports, each its own (a JVM binds its own seconds later)
+        for _ in range(1 + self.workers):
+            ports.add(free_port(avoid=ports))
+        ui, *worker_uis = sorted(ports - {self.master_port})
         self._launch("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                      "--port", str(self.master_port), "--webui-port", str(ui))
-        for i in range(self.workers):
+        for i, worker_ui in enumerate(worker_uis):
             self._launch(f"worker{i}", "org.apache.spark.deploy.worker.Worker", self.master_url, "--host", "127.0.0.1",
-                         "--cores", str(self.cores), "--memory", self.memory, "--webui-port", str(free_port()))
+                         "--cores", str(self.cores), "--memory", self.memory, "--webui-port", str(worker_ui))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.alive_workers(ui) >= self.workers:
@@ -281,13 +284,15 @@ class StandaloneCluster:
         raise MillpondError(f"Spark standalone cluster did not come up within {timeout:.0f}s")
 
     def alive_workers(self, ui_port: int) -> int:
+        """The workers registered with the master, by its web UI's ``/json/``; 0 while it does not answer that
+        (not listening yet, or an HTML page while its UI starts)."""
         import json
         import urllib.request
 
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/json/", timeout=2) as resp:
                 return int(json.loads(resp.read()).get("aliveworkers", 0))
-        except OSError:
+        except (OSError, ValueError, AttributeError):  # ValueError: not JSON; AttributeError: JSON, not an object
             return 0
 
     def kill_worker(self, index: int) -> bool:
