@@ -337,3 +337,21 @@ def test_a_cluster_master_ui_that_answers_html_is_not_up_yet(settings, tmp_path:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_cluster_start_that_fails_midway_stops_the_jvms_it_launched(settings, tmp_path: Path) -> None:
+    """A start that ends by any error while it waits (a failed probe, an interrupt), not only by its own timeout,
+    stops the master and the workers it launched: no JVM outlives the failed start."""
+    from millpond.orchestration.processes import group_members, read_pid
+    from millpond.orchestration.spark_server import StandaloneCluster
+
+    class ProbeFails(StandaloneCluster):
+        def alive_workers(self, ui_port: int) -> int:
+            self.launched = [read_pid(self.pidfile(role)) for role in ("master", "worker0")]
+            raise RuntimeError("probe failed")
+
+    cluster = ProbeFails(settings.with_overrides(home=tmp_path), workers=1)
+    with pytest.raises(RuntimeError, match="probe failed"):
+        cluster.start(timeout=30)
+    assert all(cluster.launched), "the start launched a master and a worker before its first probe"
+    assert [pid for pid in cluster.launched if group_members(pid)] == [], "a JVM outlived the failed start"

@@ -270,18 +270,22 @@ class StandaloneCluster:
         for _ in range(1 + self.workers):
             ports.add(free_port(avoid=ports))
         ui, *worker_uis = sorted(ports - {self.master_port})
-        self._launch("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                     "--port", str(self.master_port), "--webui-port", str(ui))
-        for i, worker_ui in enumerate(worker_uis):
-            self._launch(f"worker{i}", "org.apache.spark.deploy.worker.Worker", self.master_url, "--host", "127.0.0.1",
-                         "--cores", str(self.cores), "--memory", self.memory, "--webui-port", str(worker_ui))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.alive_workers(ui) >= self.workers:
-                return self.master_url
-            time.sleep(1)
-        self.stop()
-        raise MillpondError(f"Spark standalone cluster did not come up within {timeout:.0f}s")
+        try:
+            self._launch("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                         "--port", str(self.master_port), "--webui-port", str(ui))
+            for i, worker_ui in enumerate(worker_uis):
+                self._launch(f"worker{i}", "org.apache.spark.deploy.worker.Worker", self.master_url, "--host",
+                             "127.0.0.1", "--cores", str(self.cores), "--memory", self.memory,
+                             "--webui-port", str(worker_ui))
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.alive_workers(ui) >= self.workers:
+                    return self.master_url
+                time.sleep(1)
+            raise MillpondError(f"Spark standalone cluster did not come up within {timeout:.0f}s")
+        except BaseException:  # any way the start ends without a cluster: no JVM it launched outlives it
+            self.stop()
+            raise
 
     def alive_workers(self, ui_port: int) -> int:
         """The workers registered with the master, by its web UI's ``/json/``; 0 while it does not answer that
