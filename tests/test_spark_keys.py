@@ -4,7 +4,16 @@ about equal cost, a key costing more than a row, each range in a task of its own
 from __future__ import annotations
 
 import pytest
-from millpond.runtime.engines.spark_keys import RANGE, key_ranges, murmur3_int, slot_for, weighted_bounds
+from millpond.runtime.engines.spark_keys import (
+    COST_PER_TASK,
+    RANGE,
+    SIZE_BY_COST_FROM,
+    key_ranges,
+    murmur3_int,
+    slot_for,
+    tasks_for,
+    weighted_bounds,
+)
 from millpond.runtime.layout import KEY_COST
 
 
@@ -33,6 +42,16 @@ def test_bounds_are_distinct_and_need_enough_keys() -> None:
     # one key holds most of the cost: the cuts fall on it once, not three times (no empty range between)
     assert bounds == ["m"]
     assert weighted_bounds(keys[:31], [1] * 30 + [100_000], 4) == []  # the last key: no empty range after it
+
+
+@pytest.mark.unit
+def test_the_step_s_tasks_follow_its_estimated_cost_within_the_rows_and_the_width() -> None:
+    light = [f"k{i:06d}" for i in range(1_000)]
+    # 1,000 sampled keys of one element, one key in 60: 60,000 keys, about 1.26M of cost
+    assert tasks_for(light, [1] * 1_000, 60, 1, 8) == -(-60 * 1_000 * (KEY_COST + 1) // COST_PER_TASK)
+    assert tasks_for(light, [1] * 1_000, 60, 1, 2) == 2  # never above the deployment's width
+    assert tasks_for(light, [1] * 1_000, 1, 3, 8) == 3  # never below the rows' tasks
+    assert tasks_for([], [], 1, 1, 8) == 1
 
 
 @pytest.mark.unit
@@ -65,3 +84,23 @@ def test_each_range_runs_in_its_own_task_with_a_fair_share_of_the_keys(spark) ->
     assert sum(r["rows"] for r in by_task) == len(rows)
     cost = [KEY_COST * r["keys"] + r["rows"] for r in by_task]
     assert max(cost) / min(cost) < 1.3, by_task  # Spark's repartitionByRange: 1 : 9 here
+
+
+def test_a_batch_of_many_light_keys_runs_its_step_in_more_tasks_than_its_rows_ask(spark) -> None:
+    """A batch of as many keys as elements costs the per-key step about ``KEY_COST`` times its rows: its rows
+    alone ask for one task (a core idle while it runs, measured 2.7 s of a 7 s batch); its cost, estimated from
+    the key sample, spreads it over the deployment's width, in balanced ranges of keys."""
+    from pyspark.sql import functions as F
+
+    n = max(SIZE_BY_COST_FROM, COST_PER_TASK // (KEY_COST + 1) + 2_000)
+    frame = spark.createDataFrame([(f"k{i:07d}", None) for i in range(n)], "key string, state string")
+    spread = key_ranges(frame, 1, n, most=2).select("key", RANGE, F.spark_partition_id().alias("task"))
+    tasks = sorted(spread.groupBy("task").agg(F.count(F.lit(1)).alias("rows"), F.min("key").alias("first"),
+                                              F.max("key").alias("last")).collect(), key=lambda r: r["task"])
+    assert [r["task"] for r in tasks] == [0, 1]
+    assert tasks[0]["last"] < tasks[1]["first"]
+    assert min(r["rows"] for r in tasks) / max(r["rows"] for r in tasks) > 0.8, tasks
+    # a short step keeps its rows' single task, with no sample job
+    few = frame.limit(SIZE_BY_COST_FROM - 1)
+    one = key_ranges(few, 1, SIZE_BY_COST_FROM - 1, most=2).select(F.spark_partition_id().alias("task"))
+    assert [r["task"] for r in one.distinct().collect()] == [0]

@@ -221,7 +221,8 @@ def compute(job: BatchContext, clock: BatchClock, accepted, state, partitions: i
     spec_json = json.dumps(job.spec.raw, sort_keys=True, default=str)
     return keep(job.spark, per_key_step(spec_json, clock, accepted, state, job.spec.value_type,
                                         job.spec.pane_value_type, job.spec.mode.value == "discarding",
-                                        job.settings.columnar_windows, key_tasks(job, partitions), rows), now=now)
+                                        job.settings.columnar_windows, key_tasks(job, partitions), rows,
+                                        key_tasks(job, job.settings.spark_shuffle_partitions)), now=now)
 
 
 def key_tasks(job: BatchContext, partitions: int) -> int:

@@ -79,11 +79,11 @@ def run_partition(spec_json: str, clock: BatchClock, value_type: str, pane_type:
 
 
 def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type: str, pane_type: str,
-                 discarding: bool, columnar: bool, partitions: int, rows: int):
+                 discarding: bool, columnar: bool, partitions: int, rows: int, most: int | None = None):
     """A DataFrame of the tagged output rows of every key of the batch, computed on executors in
-    ``partitions`` tasks over ranges of keys (``part``: the range, in key order; ``key_ranges``); a ``read`` row
-    per range holds the number of stored windows it read (``pane_index``) and of panes it emitted (``seq``).
-    ``rows``: about how many elements the batch has (it sizes the sample that sets the ranges)."""
+    ``partitions`` to ``most`` tasks over ranges of keys (``part``: the range, in key order; ``key_ranges``); a
+    ``read`` row per range holds the number of stored windows it read (``pane_index``) and of panes it emitted
+    (``seq``). ``rows``: about how many elements the batch has (it sizes the sample that sets the ranges)."""
     from pyspark.sql import functions as F
 
     vtype = "bigint" if value_type == "int" else "double"
@@ -117,37 +117,55 @@ def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type:
 
     from pyspark.sql.pandas.types import from_arrow_schema
 
-    return key_ranges(combined, partitions, rows).mapInArrow(run, from_arrow_schema(schema))
+    return key_ranges(combined, partitions, rows, most).mapInArrow(run, from_arrow_schema(schema))
 
 
 #: the column that carries a row's key range into the per-key step's tasks
 RANGE = "_range"
 #: about how many of a batch's rows the sample for its key ranges reads
 SAMPLE_ROWS = 20_000
+#: the per-key step's cost one task takes, in elements (a key costs ``layout.KEY_COST``, a stored window
+#: ``STATE_ROW_COST``): about 0.75 s of its Python. A batch of many light keys (as many keys as elements) costs
+#: about 20 times its rows, so its rows alone would leave a core idle while one task runs the step
+COST_PER_TASK = 500_000
+#: a batch of fewer elements keeps the tasks its rows give (no sample job): its step is too short to split
+SIZE_BY_COST_FROM = 20_000
 
 
-def key_ranges(combined, partitions: int, rows: int):
-    """``combined`` (elements and stored windows) spread into ``partitions`` tasks by ranges of keys, each range
-    about as costly: a key costs ``layout.KEY_COST`` elements, a stored window ``STATE_ROW_COST`` (Spark's own
-    range partitioning balances rows, and a batch's light keys, most of its cost, then sort into one range;
-    measured: one task of two ran 4 s, the other 0.6 s). The bounds come from a sample of the keys (a hash of
-    the key picks about ``SAMPLE_ROWS`` rows, with all of their keys' rows: one small job); each row carries its
-    range (``RANGE``), and the ranges go to tasks by a hash of a number chosen to land range ``i`` in task ``i``.
-    Too small a sample to cut (few keys) leaves it to Spark's ``repartitionByRange``."""
+def key_ranges(combined, partitions: int, rows: int, most: int | None = None):
+    """``combined`` (elements and stored windows) spread into tasks by ranges of keys, each range about as
+    costly: a key costs ``layout.KEY_COST`` elements, a stored window ``STATE_ROW_COST`` (Spark's own range
+    partitioning balances rows, and a batch's light keys, most of its cost, then sort into one range; measured:
+    one task of two ran 4 s, the other 0.6 s). The bounds come from a sample of the keys (a hash of the key picks
+    about ``SAMPLE_ROWS`` rows, with all of their keys' rows: one small job), which also estimates the step's
+    cost: one task per ``COST_PER_TASK`` of it, at least ``partitions`` (the rows') and at most ``most`` (the
+    deployment's width; default ``partitions``). Each row carries its range (``RANGE``), and the ranges go to tasks
+    by a hash of a number chosen to land range ``i`` in task ``i``. Too small a sample to cut (few keys) leaves it
+    to Spark's ``repartitionByRange``."""
     from pyspark.sql import functions as F
 
-    if partitions <= 1:
+    most = max(partitions, most or partitions)
+    if most <= 1 or (partitions <= 1 and rows < SIZE_BY_COST_FROM):
         return combined.repartitionByRange(partitions, "key")
     every = max(1, rows // SAMPLE_ROWS)
     cost = F.when(F.col("state").isNull(), F.lit(1)).otherwise(F.lit(STATE_ROW_COST))
     sample = (combined.where(F.pmod(F.xxhash64("key"), F.lit(every)) == 0).groupBy("key")
               .agg(F.sum(cost).alias("w")).toArrow())
-    bounds = weighted_bounds(sample.column("key").to_pylist(), sample.column("w").to_pylist(), partitions)
+    keys, weights = sample.column("key").to_pylist(), sample.column("w").to_pylist()
+    tasks = tasks_for(keys, weights, every, partitions, most)
+    bounds = weighted_bounds(keys, weights, tasks) if tasks > 1 else None
     if bounds is None:
         return combined.repartitionByRange(partitions, "key")
-    slots = [slot_for(i, partitions) for i in range(len(bounds) + 1)]
+    slots = [slot_for(i, tasks) for i in range(len(bounds) + 1)]
     return (combined.withColumn(RANGE, _range_of(F.col("key"), bounds, 0, len(bounds)))
-            .repartition(partitions, _slot_of(F.col(RANGE), slots)))
+            .repartition(tasks, _slot_of(F.col(RANGE), slots)))
+
+
+def tasks_for(keys: list[str], weights: list[int], every: int, least: int, most: int) -> int:
+    """The per-key step's tasks for a batch whose sample (one key in ``every``) has these keys and row
+    ``weights``: its estimated cost over ``COST_PER_TASK``, within [``least``, ``most``]."""
+    cost = every * (KEY_COST * len(keys) + sum(weights))
+    return max(least, min(most, -(-cost // COST_PER_TASK)))
 
 
 def weighted_bounds(keys: list[str], weights: list[int], partitions: int) -> list[str] | None:
