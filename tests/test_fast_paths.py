@@ -25,7 +25,7 @@ from millpond.model.windows import Sessions, Window
 from millpond.runtime import layout
 from millpond.runtime.assembly import Assembly, key_rows, strategy_of
 from millpond.runtime.engines.local import KeysOnCores
-from millpond.runtime.layout import EVENT_COLUMNS
+from millpond.runtime.layout import EVENT_COLUMNS, WEIGHT
 
 MIN = 60_000_000
 
@@ -219,18 +219,21 @@ def test_one_walk_gives_both_timers() -> None:
             assert trigger.timers(ctx, "0") == (trigger.event_timer(ctx, "0"), trigger.ptime_timer(ctx, "0")), text
 
 
-def _run_tables(spec: str, batches: list[tuple[BatchClock, dict[str, list[Element]]]], columnar: bool
-                ) -> list[dict[str, list]]:
+def _run_tables(spec: str, batches: list[tuple[BatchClock, dict[str, list[Element]]]], columnar: bool,
+                lift: bool = False) -> list[dict[str, list]]:
     """Every batch through the local engine (no forks), windows formed on columns or not, the ``windows`` rows
-    carried over as the table carries them: each batch's output tables as rows."""
+    carried over as the table carries them: each batch's output tables as rows. ``lift``: a batch that reads no
+    stored window gets its elements lifted first (``_lifted``, as ``runtime.engines.spark_lift`` lifts them)."""
     pipeline = pipeline_from_dict(json.loads(spec))
     value = pa.float64() if pipeline.value_type == "float" else pa.int64()
     types = {"id": pa.string(), "key": pa.string(), "value": value}
-    schema = pa.schema([(c, types.get(c, pa.int64())) for c in EVENT_COLUMNS])
+    schema = pa.schema([(c, types.get(c, pa.int64())) for c in (*EVENT_COLUMNS, *([WEIGHT] if lift else []))])
     stored: dict[tuple[str, int, int], dict[str, Any]] = {}
     engine = KeysOnCores(load_settings(env={}).with_overrides(driver_workers=0, columnar_windows=columnar))
     out = []
     for clock, by_key in batches:
+        if lift and not stored:
+            by_key = _lifted(spec, clock, by_key)
         events = pa.Table.from_pylist([el._asdict() for els in by_key.values() for el in els], schema=schema)
         state = pa.Table.from_pylist(sorted(stored.values(), key=lambda r: (r["key"], r["window_start"])),
                                      schema=WINDOWS_SCHEMA)
@@ -302,3 +305,63 @@ def test_windows_formed_on_columns_cover_many_keys(monkeypatch: pytest.MonkeyPat
         columnar = _run_tables(spec, batches, columnar=True)
         assert columnar == _run_tables(spec, batches, columnar=False)
         assert columnar[0]["late"] and columnar[1]["panes"]
+
+
+def _lifted(spec: str, clock: BatchClock, by_key: dict[str, list[Element]]) -> dict[str, list[Element]]:
+    """``spark_lift.lifted`` in Python: each key's on-time elements of one window as one element (the window's
+    smallest id, event time and arrival; the aggregate of its values; how many they were), the late ones as
+    they are."""
+    strategy = strategy_of(spec)
+    how = engine.lifts(strategy.window_fn, strategy.combiner, pipeline_from_dict(json.loads(spec)).value_type)
+    assert how is not None
+    agg = {"sum": sum, "min": min, "max": max}[how]
+    late_end = clock.input_watermark - strategy.allowed_lateness
+    out: dict[str, list[Element]] = {}
+    for key, els in by_key.items():
+        windows: dict[Window, list[Element]] = {}
+        for el in els:
+            (w,) = strategy.window_fn.assign(el.event_time)
+            if w.end <= late_end:
+                out.setdefault(key, []).append(el)
+            else:
+                windows.setdefault(w, []).append(el)
+        for group in windows.values():
+            out.setdefault(key, []).append(Element(
+                min(e.id for e in group), key, agg(e.value for e in group), min(e.event_time for e in group),
+                min(e.arrival_time for e in group), len(group)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lifted_windows_match_their_elements(seed: int) -> None:
+    """Combiner lifting (``model.step.lifts``, ``runtime.engines.spark_lift``): a batch without stored windows
+    whose on-time elements of each window come as one element, weighted by how many they were, gives the tables
+    its elements give one by one (triggers that count, fire early, late or repeatedly; late elements beside),
+    on columns or on the element path, and so do the batches after it."""
+    spec, batches = _scenario(seed)
+    rng = random.Random(seed)
+    doc = {**json.loads(spec), "window": {"type": "fixed", "size": rng.choice(["2m", "5m"]),
+                                          "offset": rng.choice(["0s", "30s"])},
+           "aggregation": rng.choice(["sum", "min", "max"])}
+    spec = json.dumps(doc, sort_keys=True)
+    reference = _run_tables(spec, batches, columnar=False)
+    assert any(b["panes"] for b in reference)
+    for columnar in (True, False):
+        assert _run_tables(spec, batches, columnar=columnar, lift=True) == reference, columnar
+    lifted = _lifted(spec, batches[0][0], batches[0][1])
+    assert sum(map(len, lifted.values())) <= sum(map(len, batches[0][1].values()))
+
+
+def test_only_exact_combiners_over_one_window_lift() -> None:
+    """Lifting changes no table only where combining first is exact: fixed windows, integer sum, min, max."""
+    def lifts(window: dict, aggregation: str, value_type: str = "int") -> str | None:
+        s = strategy_of(json.dumps({"name": "l", "source": {"prefix": "l/"}, "window": window,
+                                    "aggregation": aggregation, "value_type": value_type}, sort_keys=True))
+        return engine.lifts(s.window_fn, s.combiner, value_type)
+
+    fixed = {"type": "fixed", "size": "1h"}
+    assert [lifts(fixed, a) for a in ("sum", "min", "max")] == ["sum", "min", "max"]
+    assert lifts(fixed, "count") is None and lifts(fixed, "mean") is None  # a count of counts, a mean of means
+    assert lifts(fixed, "sum", "float") is None  # a float sum depends on the order of addition
+    assert lifts({"type": "sessions", "gap": "5m"}, "sum") is None  # windows merge per element
+    assert lifts({"type": "sliding", "size": "3m", "period": "1m"}, "sum") is None  # one element, many windows

@@ -248,6 +248,42 @@ def test_sessions_then_totals_per_hour_match_a_computation_from_scratch(settings
     stage.assert_same(tables)
 
 
+def test_a_stage_s_first_range_reaches_the_per_key_step_lifted_on_spark(settings, tables, pipeline_name, spark,
+                                                                           monkeypatch) -> None:
+    """Combiner lifting (``runtime.engines.spark_lift``): a `key: all` stage's first batch, which reads no stored
+    window, reaches the per-key step of the Spark plan as one element per hour it touches (the step is one task:
+    every pane row went through it), and a later batch, which reads the stored hours, as one element per pane.
+    The tables are the local engine's."""
+    from millpond.runtime.engines import spark_keys
+
+    up, down = f"{pipeline_name}_up", f"{pipeline_name}_down"
+    up_spec, stage = pipeline_from_dict(upstream_doc(up)), Engines(settings, spark, stage_doc(down, up), ("plan",))
+    rng = random.Random(31)
+    for batch in range(1, 6):
+        p = T0 + (batch + 1) * 15 * MINUTE
+        land(settings, up, f"b{batch}", session_events(batch, rng), p - MINUTE)
+        run_batch(settings, up_spec, to_datetime(p))
+        if batch < 4:
+            continue
+        into_step: list[int] = []
+
+        def counted(combined, *args, real=spark_keys.key_ranges, into=into_step, **kw):
+            into.append(combined.where("state IS NULL").count())  # the elements (not the stored windows)
+            return real(combined, *args, **kw)
+
+        monkeypatch.setattr(spark_keys, "key_ranges", counted)
+        stage.run(to_datetime(p))
+        monkeypatch.undo()
+        marker = tables.read_arrow(f"{down}_plan", "batches").sort_by("batch").to_pylist()[-1]
+        if batch == 4:  # hours: each element's window_start's hour
+            hours = {to_us(r["window_start"]) // HOUR for r in tables.read_arrow(up, "panes").to_pylist()}
+            assert into_step == [len(hours)] and marker["input"] > 3 * len(hours), (into_step, marker["input"])
+        else:
+            assert into_step == [marker["input"]] and marker["state_rows_read"] > 0
+        assert stage_view(tables, down) == from_scratch(tables, up)
+    stage.assert_same(tables)
+
+
 def fixed_doc(name: str, accumulation: str, lag: str) -> dict:
     return upstream_doc(name, window={"type": "fixed", "size": "10m"}, accumulation=accumulation,
                         allowed_lateness="1h", watermark={"policy": "processing_time", "lag": lag})

@@ -18,32 +18,49 @@ from operator import attrgetter
 from typing import Any, NamedTuple
 
 from millpond.model.accumulation import Accumulation, emit
-from millpond.model.aggregations import Combiner
+from millpond.model.aggregations import Combiner, Max, Min, Sum
 from millpond.model.clock import BatchClock
 from millpond.model.panes import Pane
 from millpond.model.state import WindowState
 from millpond.model.timeutil import MAX_TS
 from millpond.model.triggers import Trigger, TriggerContext, merge_states
-from millpond.model.windows import Window, WindowFn
+from millpond.model.windows import FixedWindows, Window, WindowFn
 
 
 class Element(NamedTuple):
-    """One input element (a tuple: a batch builds one per event, which a frozen dataclass makes slow)."""
+    """One input element (a tuple: a batch builds one per event, which a frozen dataclass makes slow).
+    ``weight``: how many events it stands for: more than one for a lifted element, the combined value of a
+    window's on-time events (``lifts``), which counts as that many elements for the triggers."""
 
     id: str
     key: str
     value: Any
     event_time: int
     arrival_time: int
+    weight: int = 1
 
 
 class WindowGroup(NamedTuple):
     """A window's share of a batch, formed on columns for a key with no stored windows: the values in
-    the order the element path would add them (arrival, event time, id) and the first one's arrival."""
+    the order the element path would add them (arrival, event time, id), the first one's arrival and how many
+    elements they stand for (their weights: more than ``len(values)`` where some were lifted)."""
 
     window: Window
     values: list[Any]
     first_arrival: int
+    count: int
+
+
+def lifts(window_fn: WindowFn, combiner: Combiner, value_type: str) -> str | None:
+    """The aggregate (``sum``, ``min`` or ``max``) that may combine a batch's on-time elements of one window
+    into one element before the per-key step (combiner lifting, as Beam's and Spark's partial aggregation),
+    or None. Only where the result cannot differ from adding them one by one: each element in exactly one
+    window (fixed windows), an exact combiner over integers (sum, min, max), and the caller's to check that the
+    window has no stored state (its accumulator, or its being closed, would apply per element) and that no
+    running sum can overflow (a checked sum drops the one element that would)."""
+    if type(window_fn) is not FixedWindows or value_type != "int":
+        return None
+    return {Sum: "sum", Min: "min", Max: "max"}.get(type(combiner))
 
 
 @dataclass(frozen=True)
@@ -246,9 +263,10 @@ def _add_elements(elements: list[Element], live: dict[Window, WindowState], touc
             els = _drop_skipped(els, skipped, result)
             if not els:
                 continue
-        ws.unfired += len(els)
+        n = sum(el.weight for el in els)
+        ws.unfired += n
         ctx = TriggerContext(w, watermark, ptime, ws.trigger)
-        trig.on_element(ctx, "0", min(els[0].arrival_time, ptime), len(els))
+        trig.on_element(ctx, "0", min(els[0].arrival_time, ptime), n)
         touched.add(w)
 
 
@@ -283,9 +301,9 @@ def _add_groups(groups: Sequence[WindowGroup], live: dict[Window, WindowState], 
     (new windows; a merging function's get the trigger state merged from none, as step 2 gives them)."""
     comb, trig = strategy.combiner, strategy.trigger
     merging = strategy.window_fn.merging
-    for w, values, first_arrival in groups:
+    for w, values, first_arrival, n in groups:
         # unchecked: a key whose sums could leave the range is never formed on columns (``form_windows``)
         ws = live[w] = WindowState(window=w, acc=comb.add_all(comb.create(), values),
-                                   trigger=merge_states(trig, [{}]) if merging else {}, unfired=len(values))
-        trig.on_element(TriggerContext(w, watermark, ptime, ws.trigger), "0", min(first_arrival, ptime), len(values))
+                                   trigger=merge_states(trig, [{}]) if merging else {}, unfired=n)
+        trig.on_element(TriggerContext(w, watermark, ptime, ws.trigger), "0", min(first_arrival, ptime), n)
         touched.add(w)

@@ -29,6 +29,8 @@ CHUNK_ELEMENTS = 200_000
 KEY_COST, STATE_ROW_COST = 20, 3
 #: the columns of a batch's elements, in ``Element`` field order
 EVENT_COLUMNS = ("id", "key", "value", "event_time", "arrival_time")
+#: an optional column after them: how many events an element stands for (a lifted element's, ``Element.weight``)
+WEIGHT = "weight"
 
 
 def chunks_of(offsets: np.ndarray, size: int) -> Iterator[tuple[int, int]]:
@@ -97,7 +99,10 @@ class KeyLayout:
             by_key, formed = got
             ev = ev.filter(np.repeat(~formed, counts))
             counts = np.where(formed, 0, counts)
-        elements = list(map(Element._make, zip(*(ev.column(c).to_pylist() for c in EVENT_COLUMNS), strict=True)))
+        cols = [ev.column(c).to_pylist() for c in EVENT_COLUMNS]
+        # lifted elements (``model.step.lifts``) stand for their weight's events; the others for one
+        cols.append(ev.column(WEIGHT).to_pylist() if WEIGHT in ev.column_names else [1] * ev.num_rows)
+        elements = list(map(Element._make, zip(*cols, strict=True)))
         st = self.state.take(self.st_order[st_off[lo]:st_off[hi]])
         st_rows = list(zip(us_column(st, "window_start"), us_column(st, "window_end"),
                            st.column("state").to_pylist(), strict=True))
@@ -157,9 +162,13 @@ def form_windows(ev: pa.Table, counts: np.ndarray, stateless: np.ndarray, strate
     values = ev.column("value").take(order).to_pylist()
     first_arrival = pc.cast(arrival, pa.int64()).to_numpy()[order[firsts]].tolist()
     bounds = np.append(firsts, len(k)).tolist()
+    if WEIGHT in ev.column_names:  # lifted elements count as the events they stand for
+        counts_of = np.add.reduceat(pc.cast(ev.column(WEIGHT), pa.int64()).to_numpy()[order], firsts).tolist()
+    else:
+        counts_of = np.diff(bounds).tolist()
     windows = list(map(Window, s[firsts].tolist(), e[firsts].tolist()))
-    groups = [WindowGroup(w, values[a:b], t) for w, (a, b), t in zip(windows, pairwise(bounds), first_arrival,
-                                                                       strict=True)]
+    groups = [WindowGroup(w, values[a:b], t, n) for w, (a, b), t, n
+              in zip(windows, pairwise(bounds), first_arrival, counts_of, strict=True)]
     # each formed key's windows: a slice of ``groups`` (keys ascending, each key's windows by start)
     per_key = np.searchsorted(k[firsts], np.arange(len(counts) + 1)).tolist()
     by_key = [groups[per_key[i]:per_key[i + 1]] if f else None for i, f in enumerate(formed.tolist())]

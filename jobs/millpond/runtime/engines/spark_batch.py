@@ -38,6 +38,7 @@ from millpond.model.panes import pane_schema
 from millpond.model.state import WINDOW_KEY, WINDOWS_SCHEMA
 from millpond.runtime.engines.base import BatchWork
 from millpond.runtime.engines.spark_keys import per_key_step
+from millpond.runtime.engines.spark_lift import lift_for
 from millpond.runtime.engines.spark_state import FILE_ROWS, StateFiles, ranged, state_files
 from millpond.runtime.engines.spark_values import batch_values, with_values
 from millpond.runtime.engines.spark_watchdog import watched
@@ -101,7 +102,8 @@ def batch_partitions(settings: Settings, rows: int) -> int:
 
 def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time: int, w_in: int, seen,
                    partitions: int, rows_planned: int | None = None):
-    """(the quarantined rows, the accepted elements, counts, max event time, the kept rows): parsed on
+    """(the quarantined rows, the accepted elements, counts, max event time, the kept rows, the values' largest
+    magnitude or None where not taken (a stage's: ``spark_lift``)): parsed on
     executors (in at most ``partitions`` tasks; a stage's elements: ``stage_elements``), first of each id
     by (arrival, file, line), ids seen by earlier batches (``seen``, the ``seen_ids`` snapshot, or None) dropped
     when their event time is within the batch's range, as on the local engine. Only counts come back.
@@ -136,7 +138,7 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
                                                      in held], schema=bad.schema))
     counts = {"input": tally["good"] + tally["bad"] + len(held), "accepted": tally["n"],
               "duplicates": tally["good"] - tally["n"], "quarantined": tally["bad"] + len(held)}
-    return bad, accepted, counts, tally["max_et"], marked
+    return bad, accepted, counts, tally["max_et"], marked, None
 
 
 def marked_firsts(rows, seen, probe=None) -> tuple[Any, Any]:
@@ -188,9 +190,10 @@ def stage_elements(spark, rows):
     from pyspark.sql import functions as F
 
     accepted = keep(spark, rows.select("id", "key", "value", "event_time", "arrival_time"))
-    tally = accepted.agg(F.count(F.lit(1)).alias("n"), F.max("event_time").alias("max_et")).collect()[0]
+    tally = accepted.agg(F.count(F.lit(1)).alias("n"), F.max("event_time").alias("max_et"),
+                         F.max(F.abs(F.col("value").cast("double"))).alias("big")).collect()[0]
     counts = {"input": tally["n"], "accepted": tally["n"], "duplicates": 0, "quarantined": 0}
-    return rows.where(F.lit(False)), accepted, counts, tally["max_et"], accepted
+    return rows.where(F.lit(False)), accepted, counts, tally["max_et"], accepted, tally["big"]
 
 
 def delays(accepted) -> list[int]:
@@ -214,15 +217,18 @@ def stored_windows(job: BatchContext, files: StateFiles | None, accepted, clock:
 
 
 def compute(job: BatchContext, clock: BatchClock, accepted, state, partitions: int, rows: int,
-            now: bool = False):
+            now: bool = False, biggest: float | None = None):
     """The per-key step on executors (``spark_keys.per_key_step``); the output rows of every table, tagged.
     ``now``: run here (a validated batch: so that its validation phase holds validation, not the step); else
-    by the output's tally. ``rows``: the batch's elements (it sizes the sample of the step's key ranges)."""
+    by the output's tally. ``rows``: the batch's elements (it sizes the sample of the step's key ranges);
+    ``biggest``: their values' largest magnitude, or None (a batch's elements may be lifted, ``spark_lift``)."""
     spec_json = json.dumps(job.spec.raw, sort_keys=True, default=str)
+    lift = lift_for(job.strategy, job.spec.value_type, clock.input_watermark, key_tasks(job, 2) == 1,
+                    state is not None, biggest, rows)
     return keep(job.spark, per_key_step(spec_json, clock, accepted, state, job.spec.value_type,
                                         job.spec.pane_value_type, job.spec.mode.value == "discarding",
                                         job.settings.columnar_windows, key_tasks(job, partitions), rows,
-                                        key_tasks(job, job.settings.spark_shuffle_partitions)), now=now)
+                                        key_tasks(job, job.settings.spark_shuffle_partitions), lift), now=now)
 
 
 def key_tasks(job: BatchContext, partitions: int) -> int:
@@ -457,8 +463,8 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], inputs:
     job.spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
     seen = None if seen_version is None else spark_io.read_table(  # a scan: as many tasks as files, up to the width
         job.spark, job.tables, job.name, "seen_ids", seen_version, tasks=job.settings.spark_shuffle_partitions)
-    bad, accepted, counts, max_et, parsed = read_and_dedup(job, the_plan, processing_time, w_in, seen, partitions,
-                                                           inputs)
+    bad, accepted, counts, max_et, parsed, biggest = read_and_dedup(job, the_plan, processing_time, w_in, seen,
+                                                                    partitions, inputs)
     timer.lap("ingest", partitions=partitions)
     policy = job.spec.watermark_policy
     clock, max_et = clock_for(job, job.batch, processing_time, w_in, prev, max_et, the_plan, explicit_watermark,
@@ -475,7 +481,7 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], inputs:
     if state is not None:
         state = keep(job.spark, state)
     job.commits.plan_landed()
-    out = compute(job, clock, accepted, state, partitions, counts["accepted"], now=job.validate)
+    out = compute(job, clock, accepted, state, partitions, counts["accepted"], now=job.validate, biggest=biggest)
     panes = panes_frame(out, values)
     if job.validate:  # validated and written: numbered once, here (the validation phase holds validation only)
         panes = keep(job.spark, panes)

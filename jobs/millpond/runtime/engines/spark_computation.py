@@ -266,7 +266,7 @@ def _read(job: BatchContext, work: BatchWork, seen, partitions: int):
     from millpond.runtime.engines.spark_batch import read_and_dedup
 
     if work.plan["files"] or work.plan["held"] or job.spec.upstream is not None:
-        return read_and_dedup(job, work.plan, work.processing_time, work.w_in, seen, partitions)
+        return read_and_dedup(job, work.plan, work.processing_time, work.w_in, seen, partitions)[:5]
     none = job.spark.createDataFrame([], spark_io.spark_schema(spark_io.landing_schema(job.spec.value_type)))
     return (none, none.select("id", "key", "value", "event_time", "arrival_time"),
             {"input": 0, "accepted": 0, "duplicates": 0, "quarantined": 0}, None, none)

@@ -16,7 +16,8 @@ import pyarrow.compute as pc
 from millpond.lake.schemas import value_arrow_type
 from millpond.model.clock import BatchClock
 from millpond.runtime.assembly import Assembly, key_rows, strategy_of
-from millpond.runtime.layout import EVENT_COLUMNS, KEY_COST, STATE_ROW_COST, KeyLayout
+from millpond.runtime.engines.spark_lift import Lift, lifted
+from millpond.runtime.layout import EVENT_COLUMNS, KEY_COST, STATE_ROW_COST, WEIGHT, KeyLayout
 
 
 def key_output_schema(value_type: str, pane_type: str) -> pa.Schema:
@@ -56,7 +57,8 @@ def run_partition(spec_json: str, clock: BatchClock, value_type: str, pane_type:
     number). Its ``read`` row holds the stored windows it read (``pane_index``) and the panes it emitted
     (``seq``), numbered 1.. by key then emission order."""
     is_state = table.column("state").is_valid()
-    events = table.filter(pc.invert(is_state)).select(list(EVENT_COLUMNS))
+    events = table.filter(pc.invert(is_state)).select(
+        list(EVENT_COLUMNS) + ([WEIGHT] if WEIGHT in table.column_names else []))
     state = table.filter(is_state).select(["key", "window_start", "window_end", "state"])
     layout = KeyLayout.of(events, state)
     sink = Assembly(clock.batch, clock, value_type, pane_type, discarding)
@@ -79,23 +81,27 @@ def run_partition(spec_json: str, clock: BatchClock, value_type: str, pane_type:
 
 
 def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type: str, pane_type: str,
-                 discarding: bool, columnar: bool, partitions: int, rows: int, most: int | None = None):
+                 discarding: bool, columnar: bool, partitions: int, rows: int, most: int | None = None,
+                 lift: Lift | None = None):
     """A DataFrame of the tagged output rows of every key of the batch, computed on executors in
     ``partitions`` to ``most`` tasks over ranges of keys (``part``: the range, in key order; ``key_ranges``); a
     ``read`` row per range holds the number of stored windows it read (``pane_index``) and of panes it emitted
-    (``seq``). ``rows``: about how many elements the batch has (it sizes the sample that sets the ranges)."""
+    (``seq``). ``rows``: about how many elements the batch has (it sizes the sample that sets the ranges).
+    ``lift``: the elements' windows combined first (``spark_lift``), or None."""
     from pyspark.sql import functions as F
 
     vtype = "bigint" if value_type == "int" else "double"
-    events = accepted.select("key", "id", F.col("value").cast(vtype).alias("value"), "event_time", "arrival_time",
-                             F.lit(None).cast("bigint").alias("window_start"),
-                             F.lit(None).cast("bigint").alias("window_end"), F.lit(None).cast("string").alias("state"))
+    events = accepted.select("key", "id", F.col("value").cast(vtype).alias("value"), "event_time", "arrival_time")
+    if lift is not None:
+        events = lifted(events, lift)
+    events = events.select("*", F.lit(None).cast("bigint").alias("window_start"),
+                           F.lit(None).cast("bigint").alias("window_end"), F.lit(None).cast("string").alias("state"))
     combined = events
     if state is not None:
         combined = events.unionByName(state.select(
             "key", F.lit(None).cast("string").alias("id"), F.lit(None).cast(vtype).alias("value"),
             F.lit(None).cast("bigint").alias("event_time"), F.lit(None).cast("bigint").alias("arrival_time"),
-            "window_start", "window_end", "state"))
+            "window_start", "window_end", "state"), allowMissingColumns=True)
     schema = key_output_schema(value_type, pane_type)
 
     def run(batches):

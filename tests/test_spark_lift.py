@@ -1,0 +1,63 @@
+"""Combiner lifting on the Spark engine (``runtime.engines.spark_lift``): which batches lift, and that Spark's
+lifted elements are the per-key step's reference lifting (``tests/test_fast_paths.py``, ``_lifted``), late
+elements passed one by one."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from millpond.model.clock import BatchClock
+from millpond.model.step import Element
+from millpond.runtime.assembly import strategy_of
+from millpond.runtime.engines.spark_lift import SAFE_SUM, lift_for, lifted
+
+from tests.test_fast_paths import _lifted
+
+MIN = 60_000_000
+T0 = 1_780_000_000_000_000
+
+
+def _spec(aggregation: str = "sum", window: dict | None = None) -> str:
+    return json.dumps({"name": "l", "source": {"prefix": "l/"}, "value_type": "int", "aggregation": aggregation,
+                       "window": window or {"type": "fixed", "size": "5m", "offset": "1m"},
+                       "allowed_lateness": "10m", "trigger": "AtWatermark(early=AtCount(2), late=AtCount(1))"},
+                      sort_keys=True)
+
+
+@pytest.mark.unit
+def test_a_batch_lifts_only_where_nothing_can_tell() -> None:
+    s = strategy_of(_spec())
+    got = lift_for(s, "int", T0, one_key=True, state_read=False, biggest=100.0, rows=1_000)
+    assert got is not None and (got.how, got.size, got.offset, got.late_end) == ("sum", 5 * MIN, MIN, T0 - 10 * MIN)
+    assert lift_for(s, "int", T0, one_key=False, state_read=False, biggest=100.0, rows=1_000) is None  # many keys
+    assert lift_for(s, "int", T0, one_key=True, state_read=True, biggest=100.0, rows=1_000) is None  # stored windows
+    assert lift_for(s, "int", T0, one_key=True, state_read=False, biggest=None, rows=1_000) is None  # unknown values
+    # a running sum that could overflow: a checked sum drops the element that would, one by one
+    assert lift_for(s, "int", T0, one_key=True, state_read=False, biggest=SAFE_SUM / 10, rows=10) is None
+    assert lift_for(strategy_of(_spec("max")), "int", T0, True, False, None, 10).how == "max"  # max cannot overflow
+    assert lift_for(strategy_of(_spec(window={"type": "sessions", "gap": "5m"})), "int", T0, True, False, 1.0,
+                    10) is None
+
+
+def test_spark_lifts_as_the_reference_does(spark) -> None:
+    """Spark's lifted rows (``lifted``) are the reference lifting's elements: one per key and on-time window
+    (smallest id, event time and arrival; the sum; the count), every late element as it came, weight 1."""
+    rng = random.Random(5)
+    spec = _spec()
+    clock = BatchClock(3, T0, T0 - 4 * MIN, T0 - 2 * MIN)
+    by_key: dict[str, list[Element]] = {}
+    for n in range(3_000):
+        key = rng.choice(["all", "b", "c"])
+        event = T0 - rng.randint(0, 40) * MIN // 2 - rng.randint(0, 59_999_999)  # some behind the lateness
+        by_key.setdefault(key, []).append(Element(f"e{n:05d}", key, rng.randint(-50, 500), event,
+                                                  T0 - rng.randint(0, 4) * MIN))
+    rows = [el[:5] for els in by_key.values() for el in els]
+    frame = spark.createDataFrame(rows, "id string, key string, value bigint, event_time bigint, arrival_time bigint")
+    lift = lift_for(strategy_of(spec), "int", clock.input_watermark, True, False, 500.0, len(rows))
+    got = sorted(tuple(r) for r in lifted(frame, lift).collect())
+    want = sorted(tuple(el) for els in _lifted(spec, clock, by_key).values() for el in els)
+    assert got == want
+    combined = [r for r in got if r[5] > 1]
+    assert len(got) - len(combined) > 0 and len(combined) <= 3 * 5  # late ones passed, a row per key and window
