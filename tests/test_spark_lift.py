@@ -41,11 +41,12 @@ def test_a_batch_lifts_only_where_nothing_can_tell() -> None:
                     10) is None
 
 
-def test_spark_lifts_as_the_reference_does(spark) -> None:
+@pytest.mark.parametrize("aggregation", ["sum", "min", "max"])
+def test_spark_lifts_as_the_reference_does(spark, aggregation: str) -> None:
     """Spark's lifted rows (``lifted``) are the reference lifting's elements: one per key and on-time window
-    (smallest id, event time and arrival; the sum; the count), every late element as it came, weight 1."""
+    (smallest id, event time and arrival; the aggregate; the count), every late element as it came, weight 1."""
     rng = random.Random(5)
-    spec = _spec()
+    spec = _spec(aggregation)
     clock = BatchClock(3, T0, T0 - 4 * MIN, T0 - 2 * MIN)
     by_key: dict[str, list[Element]] = {}
     for n in range(3_000):
