@@ -59,6 +59,10 @@ def _iso(value: datetime) -> str:
     return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
+#: how long a backfill's create waits out Airflow's locked database (SQLite under a busy scheduler)
+LOCKED_PATIENCE_S = 120.0
+
+
 class BackfillGone(MillpondError):
     """Airflow removed the backfill being waited for: on SQLite, a create it refused half-way ("database is
     locked") is cleaned up after its id was already handed out."""
@@ -131,9 +135,17 @@ class Backfill:
             "dag_run_conf": {**self.conf, "backfill_from": _iso(self.start), "backfill_to": _iso(self.end)},
         }
 
-    def create(self, attempts: int = 6) -> dict[str, Any]:
+    def create(self, attempts: int = 6, locked_for_s: float | None = None) -> dict[str, Any]:
+        """The backfill, made. A 409 (the previous backfill's end lagging its runs) is asked again up to
+        ``attempts`` times; a refusal on a locked database for up to ``locked_for_s`` (``LOCKED_PATIENCE_S``): on
+        SQLite a busy scheduler held it for over 25 s under load (CI, two test workers)."""
         refused: int | None = 0  # how Airflow last refused this create on a locked database: 0 (it did not), 503, 500
-        for attempt in range(attempts):
+        deadline = time.monotonic() + (LOCKED_PATIENCE_S if locked_for_s is None else locked_for_s)
+        attempt = tries = 0
+        while True:
+            if tries >= attempts and time.monotonic() >= deadline:  # every path below asks again: a bound for all
+                raise MillpondError(f"Airflow kept refusing a backfill of {self.dag_id} ({tries} tries): run it again")
+            tries += 1
             try:
                 return self.api("POST", "/backfills", self.body())
             except MillpondError as exc:
@@ -146,10 +158,11 @@ class Backfill:
                         self.api("PUT", f"/backfills/{left['id']}/cancel")
                         refused = 0
                     except MillpondError:  # locked again, or completed meanwhile: ask again
-                        time.sleep(1.0 + 2 * attempt)
+                        time.sleep(min(1.0 + 2 * attempt, 10.0))
                     continue
                 if status_of(exc) == 409 and attempt < attempts - 1:  # the previous backfill's end can lag its runs
                     time.sleep(2.0 + 2 * attempt)
+                    attempt += 1
                     continue
                 if status_of(exc) == 409:
                     raise MillpondError(f"a backfill of {self.dag_id} is already running: wait for it or cancel "
@@ -158,14 +171,14 @@ class Backfill:
                 # ("Database is locked", 503; or a 500 "Database error" when the lock hits its audit-log
                 # write): a passing condition, so wait and ask again.
                 text, status = str(exc).lower(), status_of(exc)
-                if ((status == 503 and "locked" in text) or (status == 500 and "database error" in text)) \
-                        and attempt < attempts - 1:
-                    refused = status
-                    time.sleep(1.0 + 2 * attempt)
-                    continue
+                if (status == 503 and "locked" in text) or (status == 500 and "database error" in text):
+                    if time.monotonic() < deadline:
+                        refused = status
+                        time.sleep(min(1.0 + 2 * min(tries, 5), 10.0))
+                        continue
+                    raise MillpondError(f"Airflow kept refusing a backfill of {self.dag_id} (its database was "
+                                        f"locked for {tries} tries): run it again") from exc
                 raise
-        raise MillpondError(f"Airflow kept refusing a backfill of {self.dag_id} (its database was locked "
-                            f"{attempts} times): run it again")
 
     def left_running(self) -> dict[str, Any] | None:
         """The running backfill of this very range that a refused create left behind: Airflow commits the
