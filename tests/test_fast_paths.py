@@ -19,7 +19,7 @@ from millpond.model import triggers
 from millpond.model.spec import pipeline_from_dict
 from millpond.model.state import WINDOWS_SCHEMA, WindowState
 from millpond.model.step import BatchClock, Element, gc_time, timers
-from millpond.model.timeutil import MAX_TS
+from millpond.model.timeutil import MAX_TS, to_us
 from millpond.model.triggers import merge_states, parse_trigger
 from millpond.model.windows import Sessions, Window
 from millpond.runtime import layout
@@ -222,8 +222,9 @@ def test_one_walk_gives_both_timers() -> None:
 def _run_tables(spec: str, batches: list[tuple[BatchClock, dict[str, list[Element]]]], columnar: bool,
                 lift: bool = False) -> list[dict[str, list]]:
     """Every batch through the local engine (no forks), windows formed on columns or not, the ``windows`` rows
-    carried over as the table carries them: each batch's output tables as rows. ``lift``: a batch that reads no
-    stored window gets its elements lifted first (``_lifted``, as ``runtime.engines.spark_lift`` lifts them)."""
+    carried over as the table carries them: each batch's output tables as rows. ``lift``: each batch's elements
+    are lifted first (``_lifted``, as ``runtime.engines.spark_lift`` lifts them), the closed stored windows'
+    one by one."""
     pipeline = pipeline_from_dict(json.loads(spec))
     value = pa.float64() if pipeline.value_type == "float" else pa.int64()
     types = {"id": pa.string(), "key": pa.string(), "value": value}
@@ -232,8 +233,10 @@ def _run_tables(spec: str, batches: list[tuple[BatchClock, dict[str, list[Elemen
     engine = KeysOnCores(load_settings(env={}).with_overrides(driver_workers=0, columnar_windows=columnar))
     out = []
     for clock, by_key in batches:
-        if lift and not stored:
-            by_key = _lifted(spec, clock, by_key)
+        if lift:
+            closed = {(k, to_us(start)) for (k, start, _end), row in stored.items()
+                      if json.loads(row["state"])["closed"]}
+            by_key = _lifted(spec, clock, by_key, closed)
         events = pa.Table.from_pylist([el._asdict() for els in by_key.values() for el in els], schema=schema)
         state = pa.Table.from_pylist(sorted(stored.values(), key=lambda r: (r["key"], r["window_start"])),
                                      schema=WINDOWS_SCHEMA)
@@ -307,10 +310,11 @@ def test_windows_formed_on_columns_cover_many_keys(monkeypatch: pytest.MonkeyPat
         assert columnar[0]["late"] and columnar[1]["panes"]
 
 
-def _lifted(spec: str, clock: BatchClock, by_key: dict[str, list[Element]]) -> dict[str, list[Element]]:
+def _lifted(spec: str, clock: BatchClock, by_key: dict[str, list[Element]],
+            closed: set[tuple[str, int]] = frozenset()) -> dict[str, list[Element]]:
     """``spark_lift.lifted`` in Python: each key's on-time elements of one window as one element (the window's
-    smallest id, event time and arrival; the aggregate of its values; how many they were), the late ones as
-    they are."""
+    smallest id, event time and arrival; the aggregate of its values; how many they were), the late ones and
+    those of a ``closed`` stored window ((key, start)) as they are."""
     strategy = strategy_of(spec)
     how = engine.lifts(strategy.window_fn, strategy.combiner, pipeline_from_dict(json.loads(spec)).value_type)
     assert how is not None
@@ -321,7 +325,7 @@ def _lifted(spec: str, clock: BatchClock, by_key: dict[str, list[Element]]) -> d
         windows: dict[Window, list[Element]] = {}
         for el in els:
             (w,) = strategy.window_fn.assign(el.event_time)
-            if w.end <= late_end:
+            if w.end <= late_end or (key, w.start) in closed:
                 out.setdefault(key, []).append(el)
             else:
                 windows.setdefault(w, []).append(el)
@@ -334,10 +338,10 @@ def _lifted(spec: str, clock: BatchClock, by_key: dict[str, list[Element]]) -> d
 
 @pytest.mark.parametrize("seed", range(40))
 def test_lifted_windows_match_their_elements(seed: int) -> None:
-    """Combiner lifting (``model.step.lifts``, ``runtime.engines.spark_lift``): a batch without stored windows
-    whose on-time elements of each window come as one element, weighted by how many they were, gives the tables
-    its elements give one by one (triggers that count, fire early, late or repeatedly; late elements beside),
-    on columns or on the element path, and so do the batches after it."""
+    """Combiner lifting (``model.step.lifts``, ``runtime.engines.spark_lift``): batches whose on-time elements of
+    each window come as one element, weighted by how many they were, give the tables their elements give one by
+    one (triggers that count, fire early, late or repeatedly; stored windows open and closed; late elements
+    beside), on columns or on the element path."""
     spec, batches = _scenario(seed)
     rng = random.Random(seed)
     doc = {**json.loads(spec), "window": {"type": "fixed", "size": rng.choice(["2m", "5m"]),

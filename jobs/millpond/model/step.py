@@ -56,8 +56,8 @@ def lifts(window_fn: WindowFn, combiner: Combiner, value_type: str) -> str | Non
     into one element before the per-key step (combiner lifting, as Beam's and Spark's partial aggregation),
     or None. Only where the result cannot differ from adding them one by one: each element in exactly one
     window (fixed windows), an exact combiner over integers (sum, min, max), and the caller's to check that the
-    window has no stored state (its accumulator, or its being closed, would apply per element) and that no
-    running sum can overflow (a checked sum drops the one element that would)."""
+    window is not closed (each of its elements is a "window closed" row) and that no running sum can overflow,
+    from its stored accumulator on (a checked sum drops the one element that would)."""
     if type(window_fn) is not FixedWindows or value_type != "int":
         return None
     return {Sum: "sum", Min: "min", Max: "max"}.get(type(combiner))

@@ -223,8 +223,8 @@ def compute(job: BatchContext, clock: BatchClock, accepted, state, partitions: i
     by the output's tally. ``rows``: the batch's elements (it sizes the sample of the step's key ranges);
     ``biggest``: their values' largest magnitude, or None (a batch's elements may be lifted, ``spark_lift``)."""
     spec_json = json.dumps(job.spec.raw, sort_keys=True, default=str)
-    lift = lift_for(job.strategy, job.spec.value_type, clock.input_watermark, key_tasks(job, 2) == 1,
-                    state is not None, biggest, rows)
+    lift = lift_for(job.strategy, job.spec.value_type, clock.input_watermark, key_tasks(job, 2) == 1, biggest,
+                    rows)
     return keep(job.spark, per_key_step(spec_json, clock, accepted, state, job.spec.value_type,
                                         job.spec.pane_value_type, job.spec.mode.value == "discarding",
                                         job.settings.columnar_windows, key_tasks(job, partitions), rows,

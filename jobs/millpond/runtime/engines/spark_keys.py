@@ -93,7 +93,7 @@ def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type:
     vtype = "bigint" if value_type == "int" else "double"
     events = accepted.select("key", "id", F.col("value").cast(vtype).alias("value"), "event_time", "arrival_time")
     if lift is not None:
-        events = lifted(events, lift)
+        events = lifted(events, lift, state)
     events = events.select("*", F.lit(None).cast("bigint").alias("window_start"),
                            F.lit(None).cast("bigint").alias("window_end"), F.lit(None).cast("string").alias("state"))
     combined = events

@@ -3,13 +3,14 @@ per-key step (Beam's combiner lifting, Spark's partial aggregation), which then 
 Python instead of one per element.
 
 It applies where the tables cannot tell (``model.step.lifts``: fixed windows, an integer sum, min or max), where
-the batch reads no stored window (a window's stored accumulator, or its being closed, applies per element),
-where no running sum can leave the 64-bit range (the batch's largest magnitude times its elements, below
-``SAFE_SUM``), and where it always pays: a stage that puts every upstream pane under one key (``key: all``),
-whose per-key step is one task holding every element (measured: 780k pane rows, 1.2 s of that task). Late
-elements pass one by one: each has its own ``late`` row. A lifted element carries the window's smallest id,
-event time and arrival (the first arrival is what the triggers see) and its ``weight``, the events it stands
-for (``Element.weight``: the triggers count them)."""
+no running sum can leave the 64-bit range (the batch's largest magnitude times its elements below ``SAFE_SUM``,
+and a stored accumulator below it too), and where it always pays: a stage that puts every upstream pane under
+one key (``key: all``), whose per-key step is one task holding every element (measured: 780k pane rows, 1.2 s of
+that task). Elements pass one by one where their window takes them one by one: late ones (each has its own
+``late`` row), and those of a stored window that is closed (each a "window closed" row) or whose accumulator is
+too large to bound. A lifted element carries the window's smallest id, event time and arrival (the first arrival
+is what the triggers see) and its ``weight``, the events it stands for (``Element.weight``: the triggers count
+them)."""
 
 from __future__ import annotations
 
@@ -36,12 +37,12 @@ class Lift(NamedTuple):
     lateness: int
 
 
-def lift_for(strategy: Strategy, value_type: str, input_watermark: int, one_key: bool, state_read: bool,
-             biggest: float | None, rows: int) -> Lift | None:
+def lift_for(strategy: Strategy, value_type: str, input_watermark: int, one_key: bool, biggest: float | None,
+             rows: int) -> Lift | None:
     """The batch's lifting, or None (see the module's docstring for when). ``biggest``: the largest magnitude
     of the batch's element values (None: not known); ``rows``: its elements."""
     how = lifts(strategy.window_fn, strategy.combiner, value_type)
-    if how is None or not one_key or state_read:
+    if how is None or not one_key:
         return None
     if how == "sum" and (biggest is None or biggest * max(rows, 1) >= SAFE_SUM):
         return None
@@ -49,11 +50,13 @@ def lift_for(strategy: Strategy, value_type: str, input_watermark: int, one_key:
     return Lift(how, wfn.size, wfn.offset, input_watermark - strategy.allowed_lateness, strategy.allowed_lateness)
 
 
-def lifted(events, lift: Lift):
+def lifted(events, lift: Lift, state=None):
     """``events`` (``id, key, value, event_time, arrival_time``) with every on-time window's elements combined
-    into one element, and a ``weight`` column (1 for the late ones, which pass as they are). Late as the per-key
-    step judges it (``runtime.layout.form_windows``): a window's end at or behind ``late_end``, or, for a window
-    reaching the end of time, the input watermark there too."""
+    into one element, and a ``weight`` column (1 for those that pass as they are). Late as the per-key step
+    judges it (``runtime.layout.form_windows``): a window's end at or behind ``late_end``, or, for a window
+    reaching the end of time, the input watermark there too. ``state``: the stored windows the batch read
+    (``key``, ``window_start`` in us, ``state`` JSON; a few under ``key: all``), or None: one that is closed, or
+    whose sum is too large to bound, takes its elements one by one."""
     from pyspark.sql import functions as F
 
     et = F.col("event_time")
@@ -65,6 +68,14 @@ def lifted(events, lift: Lift):
     late = F.when(end < F.lit(forever), by_end).otherwise(late_at_end)
     agg = {"sum": F.sum, "min": F.min, "max": F.max}[lift.how]
     marked = events.withColumn("_late", late)
+    if state is not None:
+        closed = F.coalesce(F.get_json_object("state", "$.closed") == F.lit("true"), F.lit(False))
+        big = F.coalesce(F.abs(F.get_json_object("state", "$.acc").cast("double")) >= F.lit(SAFE_SUM), F.lit(False))
+        held = (state.where(closed | big if lift.how == "sum" else closed)
+                .select("key", F.col("window_start").alias("_held")).withColumn("_one", F.lit(True)))
+        marked = (marked.withColumn("_held", start).join(F.broadcast(held), ["key", "_held"], "left")
+                  .withColumn("_late", F.col("_late") | F.coalesce(F.col("_one"), F.lit(False)))
+                  .drop("_held", "_one"))
     combined = (marked.where(~F.col("_late")).groupBy("key", start.alias("_w"))
                 .agg(F.min("id").alias("id"), agg("value").alias("value"), F.min("event_time").alias("event_time"),
                      F.min("arrival_time").alias("arrival_time"), F.count(F.lit(1)).alias(WEIGHT)))
