@@ -67,17 +67,17 @@ def lifted(events, lift: Lift, state=None):
     by_end = F.lit(False) if lift.late_end < _INT64_MIN else end <= F.lit(lift.late_end)
     late = F.when(end < F.lit(forever), by_end).otherwise(late_at_end)
     agg = {"sum": F.sum, "min": F.min, "max": F.max}[lift.how]
-    marked = events.withColumn("_late", late)
+    marked = events.withColumn("_apart", late)  # passes one by one: late, or (below) its stored window holds it
     if state is not None:
         closed = F.coalesce(F.get_json_object("state", "$.closed") == F.lit("true"), F.lit(False))
         big = F.coalesce(F.abs(F.get_json_object("state", "$.acc").cast("double")) >= F.lit(SAFE_SUM), F.lit(False))
         held = (state.where(closed | big if lift.how == "sum" else closed)
                 .select("key", F.col("window_start").alias("_held")).withColumn("_one", F.lit(True)))
         marked = (marked.withColumn("_held", start).join(F.broadcast(held), ["key", "_held"], "left")
-                  .withColumn("_late", F.col("_late") | F.coalesce(F.col("_one"), F.lit(False)))
+                  .withColumn("_apart", F.col("_apart") | F.coalesce(F.col("_one"), F.lit(False)))
                   .drop("_held", "_one"))
-    combined = (marked.where(~F.col("_late")).groupBy("key", start.alias("_w"))
+    combined = (marked.where(~F.col("_apart")).groupBy("key", start.alias("_w"))
                 .agg(F.min("id").alias("id"), agg("value").alias("value"), F.min("event_time").alias("event_time"),
                      F.min("arrival_time").alias("arrival_time"), F.count(F.lit(1)).alias(WEIGHT)))
-    one_by_one = marked.where(F.col("_late")).drop("_late").withColumn(WEIGHT, F.lit(1).cast("bigint"))
+    one_by_one = marked.where(F.col("_apart")).drop("_apart").withColumn(WEIGHT, F.lit(1).cast("bigint"))
     return combined.select(*events.columns, WEIGHT).unionByName(one_by_one.select(*events.columns, WEIGHT))
