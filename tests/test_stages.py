@@ -348,6 +348,42 @@ def test_fan_in_over_accumulating_and_discarding_upstreams(settings, tables, pip
     stage.assert_same(tables)
 
 
+def test_an_accumulating_upstream_s_first_panes_need_no_previous_pane_on_spark(settings, tables, pipeline_name,
+                                                                             spark, monkeypatch) -> None:
+    """Over an accumulating upstream, an element is what its pane changed: its value less the window's previous
+    pane's. A window's first pane (pane index 0) has none, so while the files a batch reads say by their
+    statistics that every row is a first pane, the Spark engine looks no previous pane up (that look-up is a
+    shuffle of every pane row by window, or a second read of the table); a batch whose files hold a late pane
+    (index 1) does. The tables are the local engine's."""
+    from millpond.runtime.engines import spark_upstream
+
+    up, down = f"{pipeline_name}_up", f"{pipeline_name}_down"
+    up_spec = pipeline_from_dict(fixed_doc(up, "accumulating", "5m") | {"trigger": "AtWatermark(late=AtCount(1))"})
+    stage = Engines(settings, spark, stage_doc(down, up, source={"pipeline": up, "stream": "panes"}), ("plan",))
+    looked_up: list[int] = []
+    real = spark_upstream._with_previous
+    monkeypatch.setattr(spark_upstream, "_with_previous",
+                        lambda *a, **kw: looked_up.append(1) or real(*a, **kw))
+    rng = random.Random(3)
+    seen = []
+    for batch in range(1, 6):
+        p = T0 + batch * 10 * MINUTE
+        late = batch == 5  # an event 25 minutes late: a late pane of a window that fired
+        events = [(rng.choice("xyz"), p - rng.choice([1, 4, 8]) * MINUTE, rng.randint(1, 9)) for _ in range(5)]
+        land(settings, up, f"b{batch}", events + ([("x", p - 25 * MINUTE, 100)] if late else []), p - MINUTE)
+        run_batch(settings, up_spec, to_datetime(p))
+        looked_up.clear()
+        stage.run(to_datetime(p))
+        panes = tables.read_arrow(up, "panes").to_pylist() if tables.exists(up, "panes") else []
+        new = [r["pane_index"] for r in panes if r["batch"] == batch]
+        assert (max(new, default=0) >= 1) == late, (batch, new)
+        assert len(looked_up) == (1 if late else 0), (batch, looked_up)
+        assert stage_totals(tables, down) == totals_of(tables, [up]), batch
+        seen.append(bool(new))
+    assert seen.count(True) >= 3, seen  # batches of first panes only, then one with a late pane
+    stage.assert_same(tables)
+
+
 def stage_totals(tables, stage: str) -> dict[tuple[str, int], int]:
     rows = tables.read_arrow(stage, "current").to_pylist() if tables.exists(stage, "current") else []
     return {(r["key"], to_us(r["window_start"])): r["value"] for r in rows if r["value"]}

@@ -387,9 +387,10 @@ def _rewrite_windows(job: BatchContext, txn: Txn, values, out, files: StateFiles
 def _rewrite_current(job: BatchContext, txn: Txn, values, out, parts: set[tuple[str, str]],
                      partitions: int) -> Write:
     """The current view copy-on-write over the (day, hour) partitions of ``window_end`` the batch touches
-    (``parts``: ISO day, hour), each rewritten as one file: the rows are spread by partition over ``partitions``
-    tasks (read file by file, the old rows would otherwise keep one task, and so one new file, per old file,
-    and a partition touched by every batch would gain a file per batch)."""
+    (``parts``: ISO day, hour), each rewritten as one file: the rows are spread by partition over at most
+    ``partitions`` tasks, and no more than the partitions touched (read file by file, the old rows would otherwise
+    keep one task, and so one new file, per old file, and a partition touched by every batch would gain a file per
+    batch)."""
     from pyspark.sql import functions as F
 
     rows = out.where("tbl = 'current'")
@@ -415,7 +416,8 @@ def _rewrite_current(job: BatchContext, txn: Txn, values, out, parts: set[tuple[
                                   tasks=partitions)
         keep = old.join(current.select(*on), on, "left_anti").unionByName(keep)
     schema = current_file_schema(pane_type)
-    rows = keep.withColumn("deleted", F.lit(False)).repartition(partitions, *CURRENT_PARTITIONS)
+    tasks = min(partitions, len(parts))  # a task with no partition of its own would start a Python worker for none
+    rows = keep.withColumn("deleted", F.lit(False)).repartition(tasks, *CURRENT_PARTITIONS)
     write = spark_io.write_files(rows, job.settings, "current",
                                  job.settings.table_uri(job.name, "current"), partition_by=list(CURRENT_PARTITIONS))
     return "current", write, lambda files: commit_files(job.tables, job.name, "current", files, schema, txn,

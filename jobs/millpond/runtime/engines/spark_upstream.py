@@ -39,11 +39,12 @@ def upstream_rows(job: BatchContext, plan: dict[str, Any], partitions: int):
 
     parts = []
     for i, (name, rng) in enumerate((plan["versions"].get("upstreams") or {}).items()):
-        removed, added = changed_panes(job, name, rng["from"], rng["to"], partitions)
+        removed, added, firsts = changed_panes(job, name, rng["from"], rng["to"], partitions)
         if removed is not None:
-            parts.append(pane_elements(job, name, removed, {**rng, "to": rng["from"]}, 2 * i, partitions, undo=True))
+            parts.append(pane_elements(job, name, removed, {**rng, "to": rng["from"]}, 2 * i, partitions, undo=True,
+                                       firsts=firsts))
         if added is not None:
-            parts.append(pane_elements(job, name, added, rng, 2 * i + 1, partitions))
+            parts.append(pane_elements(job, name, added, rng, 2 * i + 1, partitions, firsts=firsts))
     if not parts:
         schema = spark_io.landing_schema(job.spec.value_type)
         return job.spark.createDataFrame([], spark_io.spark_schema(schema)).select(*ELEMENT_COLUMNS)
@@ -67,22 +68,32 @@ def stage_input(job: BatchContext, plan: dict[str, Any], partitions: int):
 
 
 def changed_panes(job: BatchContext, name: str, before: int | None, upto: int | None, partitions: int):
-    """(removed, added) as DataFrames of pane rows (None: none): as ``steps.upstream.changed_panes``."""
+    """(removed, added, firsts): DataFrames of pane rows (None: none), as ``steps.upstream.changed_panes``;
+    ``firsts``: the files read say by their statistics that every row is its window's first pane (pane index 0),
+    which has no previous pane (``pane_elements``)."""
     if before == upto:
-        return None, None
+        return None, None, True
     if before is None:
-        return None, _read(job, name, upto, snapshot_files(job.tables, name, "panes", upto), partitions)
+        files = snapshot_files(job.tables, name, "panes", upto)
+        return None, _read(job, name, upto, files, partitions), _firsts(files)
     lo, hi = sorted(-1 if v is None else v for v in (before, upto))
     rewinds = job.tables.rewinds(name, "panes", lo, hi)
     if upto is not None and upto > before and not rewinds:
-        return None, _read(job, name, upto, added_files(job.tables, name, "panes", before, upto), partitions)
+        files = added_files(job.tables, name, "panes", before, upto)
+        return None, _read(job, name, upto, files, partitions), _firsts(files)
     listed = {v: snapshot_files(job.tables, name, "panes", v) for v in {before, upto, *rewinds}}
     shared = min(_last_batch(job, name, v, files, partitions) for v, files in listed.items())
     old, new = (_panes_after(job, name, v, listed[v], shared, partitions) for v in (before, upto))
+    firsts = all(_firsts(files) for files in listed.values())
     if old is None or new is None:
-        return old, new
+        return old, new, firsts
     columns = pane_schema(job.spec.value_type).names
-    return _anti(old, new, columns), _anti(new, old, columns)
+    return _anti(old, new, columns), _anti(new, old, columns), firsts
+
+
+def _firsts(files: list[DataFile]) -> bool:
+    """Every row of ``files`` is a first pane, by their statistics (a file without one may hold later panes)."""
+    return column_max(files, "pane_index") == 0
 
 
 def planned_rows(job: BatchContext, plan: dict[str, Any]) -> int:
@@ -156,16 +167,18 @@ def _anti(rows, other, cols: list[str]):
 
 
 def pane_elements(job: BatchContext, name: str, rows, rng: dict[str, Any], rank: int, partitions: int,
-                  undo: bool = False):
+                  undo: bool = False, firsts: bool = False):
     """One element per pane row, as ``steps.upstream.pane_elements``: what the pane changed in its window's value
-    (negated for ``undo``), its id naming the upstream's epoch, key, window, pane index and kind."""
+    (negated for ``undo``), its id naming the upstream's epoch, key, window, pane index and kind. ``firsts``: every
+    row is its window's first pane, whose change is its whole value: over an accumulating upstream, no previous
+    pane is looked for (no shuffle of the rows by window, no second read of the table)."""
     from pyspark.sql import functions as F
 
     up = job.spec.upstream
     value, retraction = F.col("value"), F.col("kind") == F.lit("retraction")
     if rng["accumulation"] == "accumulating_and_retracting":
         value = F.when(retraction, -value).otherwise(value)
-    elif rng["accumulation"] == "accumulating":
+    elif rng["accumulation"] == "accumulating" and not firsts:
         rows = _with_previous(job, name, rows, rng["to"], partitions, whole=rng.get("from") is None and not undo)
         value = value - F.coalesce(F.col("_prev"), F.lit(0))
     if undo:
