@@ -161,3 +161,19 @@ def test_a_batch_is_sized_by_the_stored_windows_it_reads_not_by_the_table() -> N
     due = StateFiles([file(50_000) for _ in range(20)], frozenset({3, 7}))
     assert due.may_read(10_000) == 100_000 + READ_PER_ELEMENT * 10_000
     assert due.may_read(10_000_000) == 1_000_000
+
+
+def test_a_few_changed_windows_are_written_by_as_few_tasks(spark) -> None:
+    """The rewrite of ``windows`` spreads its rows over range partitions (``spark_state.ranged``): at least the
+    batch's width, a task each, but never more ranges than rows, since a range without a row only starts a task
+    (and a Python worker) that writes nothing. Before, two changed windows of a batch four tasks wide ran four."""
+    from millpond.runtime.engines.spark_state import FILE_ROWS, ranged
+
+    def ranges(rows: int, partitions: int) -> int:
+        df = spark.range(rows).selectExpr("CAST(id AS STRING) AS key", "id AS window_start", "id AS window_end")
+        plan = ranged(df, rows, partitions)._explain_string(mode="formatted")
+        return int(plan.split("rangepartitioning(key", 1)[1].split(")", 1)[0].rsplit(",", 1)[1])
+
+    assert ranges(2, 4) == 2
+    assert ranges(100, 4) == 4
+    assert ranges(3 * FILE_ROWS, 1) == 3  # a range a file, whatever the width

@@ -121,8 +121,9 @@ def file_count(rows: int) -> int:
 
 
 def ranged(df, rows: int, partitions: int = 1):
-    """``df`` (about ``rows`` rows of ``windows``) as contiguous key ranges, each sorted by key and window, one
-    file each: ``file_count(rows)`` of them, at least the batch's ``partitions`` (its write's tasks). A file's
-    key statistics then bound a narrow range. (A sampling job sets the ranges' bounds.)"""
-    return df.repartitionByRange(max(partitions, file_count(rows)), "key").sortWithinPartitions(
+    """``df`` (at most ``rows`` rows of ``windows``) as contiguous key ranges, each sorted by key and window, one
+    file each: ``file_count(rows)`` of them, at least the batch's ``partitions`` (its write's tasks) unless it has
+    fewer rows (a range without a row would only start a task). A file's key statistics then bound a narrow
+    range. (A sampling job sets the ranges' bounds.)"""
+    return df.repartitionByRange(max(min(partitions, rows), file_count(rows)), "key").sortWithinPartitions(
         "key", "window_start", "window_end")
