@@ -244,3 +244,20 @@ def connect_server(settings: Settings, home: Path) -> Iterator[ConnectServer]:
         yield ConnectServer(url=local.spark_connect_url, ui_url=server.ui_url)
     finally:
         server.stop()
+
+
+def asked_columns(monkeypatch) -> list[str]:
+    """The ``mapInArrow`` calls of this process's Connect clients that ask the server for their input's columns
+    (an analysis round trip: ``lake.spark_io.map_arrow``), as they happen: the list returned fills."""
+    from pyspark.sql.connect.dataframe import DataFrame
+
+    asked: list[str] = []
+    real = DataFrame._map_partitions
+
+    def recording(self, func, *args, **kwargs):
+        if self._cached_schema is None:
+            asked.append(repr(func)[:120])
+        return real(self, func, *args, **kwargs)
+
+    monkeypatch.setattr(DataFrame, "_map_partitions", recording)
+    return asked

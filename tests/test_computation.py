@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 import yaml
+from engines import asked_columns
 from millpond.errors import MillpondError
 from millpond.examples.zeitgeist import query_stream
 from millpond.lake.landing import arrival_tag
@@ -136,10 +137,13 @@ def recorder_local(settings) -> tuple[str, list, list[tuple[str, str]]]:
     return (name, *recorder_scenario(settings.with_overrides(engine="local"), None, name))
 
 
-def test_state_and_timers_across_batches_and_restarts(engine, tables, recorder_local, pipeline_name) -> None:
+def test_state_and_timers_across_batches_and_restarts(engine, tables, recorder_local, pipeline_name,
+                                                      monkeypatch) -> None:
     chosen, spark = engine
+    asked = asked_columns(monkeypatch)  # a Spark batch's reads, per-key step and writes name their columns
     name, (r1, r2, r3, r4), pending = (recorder_local if spark is None
                                        else (pipeline_name, *recorder_scenario(chosen, spark, pipeline_name)))
+    assert asked == [], asked
     assert r1.counts["timers_fired"] == 0 and r1.counts["keys"] == 6 and r1.counts["productions"] == 0
     assert (r1.counts["quarantined"], r1.counts["duplicates"]) == (1, 1)  # a bad line; a1 delivered twice
     assert pending == [("a", "end"), ("b", "end"), ("c", "chain-0"), ("c", "end"), ("d", "end"), ("d", "ping"),

@@ -13,6 +13,7 @@ import sys
 import urllib.request
 
 import pytest
+from engines import asked_columns
 from millpond.lake.objectstore import ObjectStore
 from millpond.orchestration.processes import free_port
 from millpond.orchestration.spark_server import SparkConnectServer
@@ -163,17 +164,53 @@ def test_a_batch_is_sized_by_the_stored_windows_it_reads_not_by_the_table() -> N
     assert due.may_read(10_000_000) == 1_000_000
 
 
-def test_a_few_changed_windows_are_written_by_as_few_tasks(spark) -> None:
+def test_a_few_changed_windows_are_written_by_one_task(spark) -> None:
     """The rewrite of ``windows`` spreads its rows over range partitions (``spark_state.ranged``): at least the
-    batch's width, a task each, but never more ranges than rows, since a range without a row only starts a task
-    (and a Python worker) that writes nothing. Before, two changed windows of a batch four tasks wide ran four."""
-    from millpond.runtime.engines.spark_state import FILE_ROWS, ranged
+    batch's width, a task and a file each. A few changed windows (``FEW_ROWS`` or fewer) are one partition, with no
+    sampling job for range bounds: before, two changed windows of a batch four tasks wide ran four tasks, two of
+    them without a row, after a sampling job."""
+    from millpond.runtime.engines.spark_state import FEW_ROWS, FILE_ROWS, ranged
 
     def ranges(rows: int, partitions: int) -> int:
         df = spark.range(rows).selectExpr("CAST(id AS STRING) AS key", "id AS window_start", "id AS window_end")
         plan = ranged(df, rows, partitions)._explain_string(mode="formatted")
+        if "rangepartitioning(key" not in plan:
+            assert "SinglePartition" in plan or "RoundRobinPartitioning(1)" in plan, plan
+            return 1
         return int(plan.split("rangepartitioning(key", 1)[1].split(")", 1)[0].rsplit(",", 1)[1])
 
-    assert ranges(2, 4) == 2
-    assert ranges(100, 4) == 4
+    assert ranges(2, 4) == 1
+    assert ranges(FEW_ROWS, 4) == 1
+    assert ranges(FEW_ROWS + 1, 4) == 4
     assert ranges(3 * FILE_ROWS, 1) == 3  # a range a file, whatever the width
+
+
+def test_no_read_step_or_write_asks_the_server_for_its_input_s_columns(settings, tables, spark, pipeline_name,
+                                                                       monkeypatch) -> None:
+    """A Connect client's ``mapInArrow`` first asks the server for its input's columns unless it knows them: a
+    round trip in which the server analyses the input's whole plan (15-60 ms, and a batch has one per read, per-key
+    step and table written). The engine names them (``lake.spark_io.map_arrow``): two batches of a pipeline, the
+    second reading stored windows and ids, on the multi-stage plan and as one task, ask for none."""
+    from millpond.lake.landing import arrival_tag
+    from millpond.model.spec import pipeline_from_dict
+    from millpond.model.timeutil import US, iso, to_datetime, to_us
+    from millpond.runtime.job import run_batch
+
+    asked = asked_columns(monkeypatch)
+    store = ObjectStore(settings)
+    t0 = to_us("2026-03-01T12:00:00Z")
+    for strategy in ("plan", "one_task"):
+        name = f"{pipeline_name}_{strategy}"
+        spec = pipeline_from_dict({**SESSIONS, "name": name, "source": {"prefix": f"{name}/"}})
+        chosen = settings.with_overrides(engine="spark", engine_local_below=0,
+                                         engine_one_task_below=10**9 if strategy == "one_task" else 0)
+        for batch in (1, 2):
+            at = t0 + batch * 300 * US
+            body = "".join(json.dumps({"id": f"{batch}-{i}", "key": f"k{i % 5}", "value": i,
+                                       "event_time": iso(at - (i + 1) * 7 * US)}) + "\n" for i in range(40))
+            store.put_bytes(settings.bucket_landing, f"{name}/{arrival_tag(at - 30 * US)}-{batch}.jsonl",
+                            body.encode())
+            result = run_batch(chosen, spec, to_datetime(at), spark=spark)
+            assert result.counts["accepted"] == 40 and result.engine.startswith("spark/"), result
+        assert tables.read_arrow(name, "panes").num_rows > 0
+    assert asked == [], asked

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 
 from millpond.config import Settings
 from millpond.lake.snapshot_files import Storage, read_file
-from millpond.lake.spark_io import WRITTEN, spark_schema, write_table
+from millpond.lake.spark_io import WRITTEN, map_arrow, spark_schema, write_table
 
 #: the tag columns ``tag_task`` adds to a changed row: the file it concerns and whether it is the row's home
 TAGS = (("_f", pa.int32()), ("_home", pa.bool_()))
@@ -80,8 +80,8 @@ def rewrite_files(changes, files: Sequence[RangedFile], settings: Settings, tabl
     from pyspark.sql import functions as F
 
     tagged_schema = pa.schema([*schema, *TAGS])
-    tagged = changes.select(*schema.names).mapInArrow(
-        functools.partial(tag_task, list(files), schema), spark_schema(tagged_schema))
+    tagged = map_arrow(changes, functools.partial(tag_task, list(files), schema), spark_schema(tagged_schema),
+                       schema.names)
     task = functools.partial(rewrite_task, Storage.of(settings), list(files), schema, table, table_uri, list(keys),
                              list(order), file_rows)
     return tagged.repartition(max(1, min(tasks, len(files))), F.col("_f")).mapInArrow(task, spark_schema(WRITTEN))
@@ -96,15 +96,14 @@ def read_touched(spark, ranges, files: Sequence[RangedFile], always: Collection[
     from pyspark.sql import functions as F
     from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
 
-    tagged = ranges.select("key", "lo", "hi").mapInArrow(functools.partial(key_tags, list(files)),
-                                                           spark_schema(KEY_TAGS))
+    tagged = map_arrow(ranges, functools.partial(key_tags, list(files)), spark_schema(KEY_TAGS), ["key", "lo", "hi"])
     # a row per file read whatever the keys, so that a file read for its timers alone is read too
     probe_schema = StructType([StructField("key", StringType()), StructField("lo", LongType()),
                                StructField("hi", LongType()), StructField("_f", IntegerType(), False)])
     probes = spark.createDataFrame([(None, None, None, f) for f in sorted(always)], probe_schema)
     task = functools.partial(read_task, Storage.of(settings), list(files), schema, watermark, processing_time, reach)
-    return tagged.unionByName(probes).repartition(max(1, min(tasks, len(files))), F.col("_f")).mapInArrow(
-        task, spark_schema(STORED))
+    return map_arrow(tagged.unionByName(probes).repartition(max(1, min(tasks, len(files))), F.col("_f")), task,
+                     spark_schema(STORED), KEY_TAGS.names)
 
 
 #: a batch key tagged with a file that may hold its windows (``key_tags``)

@@ -336,7 +336,8 @@ Write = tuple[str, Any, Callable[[list[dict]], Any]]
 
 def append_write(job: BatchContext, txn: Txn, table: str, df, schema: pa.Schema) -> Write:
     """(table, its lazy write, its commit given the files written)."""
-    write = spark_io.write_files(df, job.settings, table, job.settings.table_uri(job.name, table))
+    write = spark_io.write_files(df, job.settings, table, job.settings.table_uri(job.name, table),
+                                 columns=schema.names)
     return table, write, lambda files: commit_files(job.tables, job.name, table, files, schema, txn)
 
 
@@ -349,8 +350,8 @@ def rewrite_seen(job: BatchContext, txn: Txn, seen, own, values, version: int, p
         *SEEN_SCHEMA.names)
     removes = live_files(job.tables, job.name, "seen_ids", version)
     rows = kept.unionByName(own).coalesce(partitions).sortWithinPartitions("event_time")
-    write = spark_io.write_files(rows, job.settings, "seen_ids",
-                                 job.settings.table_uri(job.name, "seen_ids"))
+    write = spark_io.write_files(rows, job.settings, "seen_ids", job.settings.table_uri(job.name, "seen_ids"),
+                                 columns=SEEN_SCHEMA.names)
     return "seen_ids", write, lambda files: commit_files(job.tables, job.name, "seen_ids", files, SEEN_SCHEMA, txn,
                                                          removes=removes)
 
@@ -379,7 +380,8 @@ def _rewrite_windows(job: BatchContext, txn: Txn, values, out, files: StateFiles
 
         return "windows", write, commit
     new = changes.where("NOT deleted").withColumn("deleted", F.lit(False))
-    write = spark_io.write_files(ranged(new, changes_n, partitions), job.settings, "windows", uri)
+    write = spark_io.write_files(ranged(new, changes_n, partitions), job.settings, "windows", uri,
+                                 columns=WINDOWS_SCHEMA.names)
     return "windows", write, lambda files: commit_files(
         job.tables, job.name, "windows", files, WINDOWS_SCHEMA, txn, stats_columns=WINDOWS_STATS_COLUMNS)
 
@@ -418,8 +420,8 @@ def _rewrite_current(job: BatchContext, txn: Txn, values, out, parts: set[tuple[
     schema = current_file_schema(pane_type)
     tasks = min(partitions, len(parts))  # a task with no partition of its own would start a Python worker for none
     rows = keep.withColumn("deleted", F.lit(False)).repartition(tasks, *CURRENT_PARTITIONS)
-    write = spark_io.write_files(rows, job.settings, "current",
-                                 job.settings.table_uri(job.name, "current"), partition_by=list(CURRENT_PARTITIONS))
+    write = spark_io.write_files(rows, job.settings, "current", job.settings.table_uri(job.name, "current"),
+                                 partition_by=list(CURRENT_PARTITIONS), columns=schema.names)
     return "current", write, lambda files: commit_files(job.tables, job.name, "current", files, schema, txn,
                                                         partition_by=CURRENT_PARTITIONS, removes=removes)
 

@@ -317,7 +317,8 @@ def keyed_input(job: BatchContext, accepted, versions: dict[str, Any], partition
 def per_key(job: BatchContext, comp: Computation, clock: BatchClock, keyed):
     """The tagged ``OUT`` rows of every task of ``keyed`` (``run_partition``, on executors)."""
     infer = frozenset(s for s, schema in comp.output_streams.items() if schema is None)
-    return keyed.mapInArrow(functools.partial(_keys_task, comp, clock, infer, job.name), spark_io.spark_schema(OUT))
+    return spark_io.map_arrow(keyed, functools.partial(_keys_task, comp, clock, infer, job.name),
+                              spark_io.spark_schema(OUT), ["src", "key", *(c for c, _t in INPUT)])
 
 
 def _tally(out) -> tuple[dict[str, int], int | None, dict[str, list[tuple]]]:
@@ -374,8 +375,8 @@ def validate_streams(job: BatchContext, clock: BatchClock, out, schemas: dict[st
     from millpond.quality import suites as qs
     from millpond.runtime.steps.validate import validate_streams as validate
 
-    frames = {s: _produced(out, s).mapInArrow(
-        functools.partial(_stream_frame_task, job.name, s, schema), spark_io.spark_schema(schema))
+    frames = {s: spark_io.map_arrow(_produced(out, s), functools.partial(_stream_frame_task, job.name, s, schema),
+                                    spark_io.spark_schema(schema), ["record"])
         for s, schema in schemas.items() if qs.STREAM_PREFIX + s in qs.SUITES}
     validate(job, clock.batch, frames, clock, on_spark=True)
 
@@ -412,9 +413,9 @@ def _write(job: BatchContext, work: BatchWork, clock: BatchClock, out, bad, acce
     storage = Storage.of(job.settings)
     for stream, schema in schemas.items():
         uri = job.settings.table_uri(job.name, stream)
-        write = _produced(out, stream).mapInArrow(
-            functools.partial(_stream_files_task, storage, job.name, stream, uri, schema),
-            spark_io.spark_schema(spark_io.WRITTEN))
+        write = spark_io.map_arrow(_produced(out, stream),
+                                   functools.partial(_stream_files_task, storage, job.name, stream, uri, schema),
+                                   spark_io.spark_schema(spark_io.WRITTEN), ["record"])
         steps.append((f"produce_{stream}", stream, write, functools.partial(
             commit_files, job.tables, job.name, stream, schema=schema, txn=txn)))
     try:
@@ -440,7 +441,7 @@ def _rewrite(job: BatchContext, txn: Txn, out, table: str, version: int | None) 
             F.lit(False).alias("deleted"))
     removes = live_files(job.tables, job.name, table, version)
     write = spark_io.write_files(rows.sortWithinPartitions(*order), job.settings, table,
-                                 job.settings.table_uri(job.name, table))
+                                 job.settings.table_uri(job.name, table), columns=schema.names)
     return table, table, write, lambda files: commit_files(job.tables, job.name, table, files, schema, txn,
                                                            removes=removes, stats_columns=stats)
 

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from millpond.lake.schemas import value_arrow_type
+from millpond.lake.spark_io import map_arrow
 from millpond.model.clock import BatchClock
 from millpond.runtime.assembly import Assembly, key_rows, strategy_of
 from millpond.runtime.engines.spark_lift import Lift, lifted
@@ -92,9 +93,10 @@ def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type:
 
     vtype = "bigint" if value_type == "int" else "double"
     events = accepted.select("key", "id", F.col("value").cast(vtype).alias("value"), "event_time", "arrival_time")
+    columns = [*EVENT_FRAME_COLUMNS, *([WEIGHT] if lift is not None else []), "window_start", "window_end", "state"]
     if lift is not None:
-        events = lifted(events, lift, state)
-    events = events.select("*", F.lit(None).cast("bigint").alias("window_start"),
+        events = lifted(events, lift, state, EVENT_FRAME_COLUMNS)
+    events = events.select(*columns[:-3], F.lit(None).cast("bigint").alias("window_start"),
                            F.lit(None).cast("bigint").alias("window_end"), F.lit(None).cast("string").alias("state"))
     combined = events
     if state is not None:
@@ -108,13 +110,7 @@ def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type:
         batches = list(batches)
         if not batches:
             return
-        from pyspark import TaskContext
-
         table = pa.Table.from_batches(batches)
-        if RANGE not in table.column_names:
-            yield from run_partition(spec_json, clock, value_type, pane_type, discarding, columnar, table,
-                                     TaskContext.get().partitionId()).to_batches()
-            return
         ranges = table.column(RANGE)
         for part in sorted(pc.unique(ranges).to_pylist()):  # one, unless two ranges' hashes met in one task
             own = table.filter(pc.equal(ranges, part)).drop_columns([RANGE])
@@ -123,11 +119,13 @@ def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type:
 
     from pyspark.sql.pandas.types import from_arrow_schema
 
-    return key_ranges(combined, partitions, rows, most).mapInArrow(run, from_arrow_schema(schema))
+    return map_arrow(key_ranges(combined, partitions, rows, most), run, from_arrow_schema(schema), [*columns, RANGE])
 
 
 #: the column that carries a row's key range into the per-key step's tasks
 RANGE = "_range"
+#: an element's columns as the per-key step reads them
+EVENT_FRAME_COLUMNS = ("key", "id", "value", "event_time", "arrival_time")
 #: about how many of a batch's rows the sample for its key ranges reads
 SAMPLE_ROWS = 20_000
 #: the per-key step's cost one task takes, in elements (a key costs ``layout.KEY_COST``, a stored window
@@ -147,12 +145,12 @@ def key_ranges(combined, partitions: int, rows: int, most: int | None = None):
     cost: one task per ``COST_PER_TASK`` of it, at least ``partitions`` (the rows') and at most ``most`` (the
     deployment's width; default ``partitions``). Each row carries its range (``RANGE``), and the ranges go to tasks
     by a hash of a number chosen to land range ``i`` in task ``i``. Too small a sample to cut (few keys) leaves it
-    to Spark's ``repartitionByRange``."""
+    to Spark's ``repartitionByRange``, where a row's range is its task's."""
     from pyspark.sql import functions as F
 
     most = max(partitions, most or partitions)
     if most <= 1 or (partitions <= 1 and rows < SIZE_BY_COST_FROM):
-        return combined.repartitionByRange(partitions, "key")
+        return _by_range(combined, partitions)
     every = max(1, rows // SAMPLE_ROWS)
     cost = F.when(F.col("state").isNull(), F.lit(1)).otherwise(F.lit(STATE_ROW_COST))
     sample = (combined.where(F.pmod(F.xxhash64("key"), F.lit(every)) == 0).groupBy("key")
@@ -161,10 +159,17 @@ def key_ranges(combined, partitions: int, rows: int, most: int | None = None):
     tasks = tasks_for(keys, weights, every, partitions, most)
     bounds = weighted_bounds(keys, weights, tasks) if tasks > 1 else None
     if bounds is None:
-        return combined.repartitionByRange(partitions, "key")
+        return _by_range(combined, partitions)
     slots = [slot_for(i, tasks) for i in range(len(bounds) + 1)]
     return (combined.withColumn(RANGE, _range_of(F.col("key"), bounds, 0, len(bounds)))
             .repartition(tasks, _slot_of(F.col(RANGE), slots)))
+
+
+def _by_range(combined, partitions: int):
+    """Spark's own range partitioning by key; a row's range is its task's."""
+    from pyspark.sql import functions as F
+
+    return combined.repartitionByRange(partitions, "key").withColumn(RANGE, F.spark_partition_id())
 
 
 def tasks_for(keys: list[str], weights: list[int], every: int, least: int, most: int) -> int:

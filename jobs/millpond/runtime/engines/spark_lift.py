@@ -14,6 +14,7 @@ them)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from millpond.model.step import Strategy, lifts
@@ -50,13 +51,14 @@ def lift_for(strategy: Strategy, value_type: str, input_watermark: int, one_key:
     return Lift(how, wfn.size, wfn.offset, input_watermark - strategy.allowed_lateness, strategy.allowed_lateness)
 
 
-def lifted(events, lift: Lift, state=None):
+def lifted(events, lift: Lift, state=None, columns: Sequence[str] | None = None):
     """``events`` (``id, key, value, event_time, arrival_time``) with every on-time window's elements combined
     into one element, and a ``weight`` column (1 for those that pass as they are). Late as the per-key step
     judges it (``runtime.layout.form_windows``): a window's end at or behind ``late_end``, or, for a window
     reaching the end of time, the input watermark there too. ``state``: the stored windows the batch read
     (``key``, ``window_start`` in us, ``state`` JSON; a few under ``key: all``), or None: one that is closed, or
-    whose sum is too large to bound, takes its elements one by one."""
+    whose sum is too large to bound, takes its elements one by one. ``columns``: ``events``' (else asked of the
+    server)."""
     from pyspark.sql import functions as F
 
     et = F.col("event_time")
@@ -80,4 +82,5 @@ def lifted(events, lift: Lift, state=None):
                 .agg(F.min("id").alias("id"), agg("value").alias("value"), F.min("event_time").alias("event_time"),
                      F.min("arrival_time").alias("arrival_time"), F.count(F.lit(1)).alias(WEIGHT)))
     one_by_one = marked.where(F.col("_apart")).drop("_apart").withColumn(WEIGHT, F.lit(1).cast("bigint"))
-    return combined.select(*events.columns, WEIGHT).unionByName(one_by_one.select(*events.columns, WEIGHT))
+    columns = list(columns or events.columns)
+    return combined.select(*columns, WEIGHT).unionByName(one_by_one.select(*columns, WEIGHT))

@@ -115,6 +115,11 @@ def _remove(action: dict[str, Any]) -> dict[str, Any]:
                                  for k, v in action.items() if k.startswith("partition.")}}
 
 
+#: at most this many changed windows are written as one file by one task, whatever the batch's width (no range
+#: bounds to sample for)
+FEW_ROWS = 1_000
+
+
 def file_count(rows: int) -> int:
     """How many range files ``rows`` rows of ``windows`` are written as."""
     return max(1, -(-rows // FILE_ROWS))
@@ -122,8 +127,11 @@ def file_count(rows: int) -> int:
 
 def ranged(df, rows: int, partitions: int = 1):
     """``df`` (at most ``rows`` rows of ``windows``) as contiguous key ranges, each sorted by key and window, one
-    file each: ``file_count(rows)`` of them, at least the batch's ``partitions`` (its write's tasks) unless it has
-    fewer rows (a range without a row would only start a task). A file's key statistics then bound a narrow
-    range. (A sampling job sets the ranges' bounds.)"""
-    return df.repartitionByRange(max(min(partitions, rows), file_count(rows)), "key").sortWithinPartitions(
+    file each: ``file_count(rows)`` of them, at least the batch's ``partitions`` (its write's tasks), but one for
+    ``FEW_ROWS`` rows or fewer (more would only start tasks, some with no row, after a sampling job for the
+    bounds). A file's key statistics then bound a narrow range. (A sampling job sets the ranges' bounds.)"""
+    ranges = max(partitions, file_count(rows)) if rows > FEW_ROWS else 1
+    # one range needs no bounds: no sampling job
+    spread = df.repartition(1) if ranges == 1 else df.repartitionByRange(ranges, "key")
+    return spread.sortWithinPartitions(
         "key", "window_start", "window_end")

@@ -276,7 +276,8 @@ def run_one_task(job: BatchContext, work: BatchWork, timer: PhaseTimer
         warm_context(job.settings, PANDAS)
     task = functools.partial(run_task, given)
     with watched(job.spark, job.settings.spark_connect_url, job.settings.spark_timeout_s):
-        rows = job.spark.range(0, 1, 1, 1).mapInArrow(task, spark_io.spark_schema(spark_io.WRITTEN)).collect()
+        rows = spark_io.map_arrow(job.spark.range(0, 1, 1, 1), task, spark_io.spark_schema(spark_io.WRITTEN),
+                                  ["id"]).collect()
     written: dict[str, list[dict[str, Any]]] = {}
     meta: dict[str, Any] = {}
     frames = []
