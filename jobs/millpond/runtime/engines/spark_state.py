@@ -128,10 +128,8 @@ def file_count(rows: int) -> int:
 def ranged(df, rows: int, partitions: int = 1):
     """``df`` (at most ``rows`` rows of ``windows``) as contiguous key ranges, each sorted by key and window, one
     file each: ``file_count(rows)`` of them, at least the batch's ``partitions`` (its write's tasks), but one for
-    ``FEW_ROWS`` rows or fewer (more would only start tasks, some with no row, after a sampling job for the
-    bounds). A file's key statistics then bound a narrow range. (A sampling job sets the ranges' bounds.)"""
+    ``FEW_ROWS`` rows or fewer (more would only start tasks, some with no row). A file's key statistics then bound
+    a narrow range. (A sampling job sets the ranges' bounds; one range needs none.)"""
     ranges = max(partitions, file_count(rows)) if rows > FEW_ROWS else 1
-    # one range needs no bounds: no sampling job
     spread = df.repartition(1) if ranges == 1 else df.repartitionByRange(ranges, "key")
-    return spread.sortWithinPartitions(
-        "key", "window_start", "window_end")
+    return spread.sortWithinPartitions("key", "window_start", "window_end")
