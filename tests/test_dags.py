@@ -144,3 +144,46 @@ def test_demo_needs_pipeline_config_and_a_switch() -> None:
     assert dagfactory.demo_enabled(plain, True, {"demo": True})
     assert not dagfactory.demo_enabled(plain, False, {"demo": True})
     assert dagfactory.demo_enabled(demo, True, {})
+
+
+def test_an_asset_triggered_stage_run_goes_on_to_upstream_batches_committed_meanwhile(settings, tables,
+                                                                                       pipeline_name, monkeypatch
+                                                                                       ) -> None:
+    """An upstream event that arrives while the stage's DAG run is active can wait in Airflow's queue until a
+    later event (apache/airflow#56050: CI saw a stage never run at its upstream's last batch). The run the first
+    event triggers goes on to every upstream batch committed after it, in order, one stage batch each, as their
+    own events would; when those runs come, their batches are committed. The batches are recorded, not run."""
+    from millpond.model.spec import pipeline_from_dict
+    from millpond.model.timeutil import to_datetime, to_us
+    from millpond.runtime.job import run_batch
+
+    up = f"{pipeline_name}_up"
+    spec = pipeline_from_dict({"name": up, "source": {"prefix": f"{up}/"}, "window": {"type": "fixed", "size": "5m"},
+                               "trigger": "AtWatermark()", "accumulation": "discarding", "aggregation": "sum"})
+    t0 = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
+    times = [t0 + timedelta(minutes=5 * i) for i in (1, 2, 3)]
+    for t in times:
+        run_batch(settings.with_overrides(engine="local"), spec, t)
+    ran: list[tuple[datetime, datetime]] = []
+
+    def recorded(info, s, context, start, end, params, conf):
+        ran.append((start, end))
+        return {"processing_time": end.isoformat(), "batch": len(ran)}
+
+    monkeypatch.setattr(dagfactory, "_batch", recorded)
+    monkeypatch.setattr(dagfactory, "load_settings", lambda: settings)
+    info = dagfactory.PipelineInfo(f"{pipeline_name}_stage", Path("stage.yaml"), timedelta(minutes=5), "", False,
+                                   upstreams=(up,))
+    first = SimpleNamespace(extra={"processing_time": times[0].isoformat().replace("+00:00", "Z")})
+    context = {"dag_run": SimpleNamespace(run_type="asset_triggered", conf={}, data_interval_start=None,
+                                          data_interval_end=None, run_after=datetime.now(UTC)),
+               "triggering_asset_events": {"panes": [first]}, "params": {}, "outlet_events": {}}
+    summary = dagfactory.run_microbatch(info, context, [])
+    assert [to_us(end) for _, end in ran] == [to_us(t) for t in times], ran
+    assert all(end - start == timedelta(minutes=5) for start, end in ran)
+    assert summary["processing_time"] == times[-1].isoformat() and summary["batch"] == 3
+    # a later run that its own (late) event triggers starts where the upstream is: nothing after it
+    ran.clear()
+    late = SimpleNamespace(extra={"processing_time": to_datetime(to_us(times[-1])).isoformat()})
+    dagfactory.run_microbatch(info, {**context, "triggering_asset_events": {"panes": [late]}}, [])
+    assert [to_us(end) for _, end in ran] == [to_us(times[-1])]

@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from millpond.config import Settings, load_settings
-from millpond.model.timeutil import parse_duration, to_us
+from millpond.model.timeutil import parse_duration, to_datetime, to_us
 
 log = logging.getLogger(__name__)
 
@@ -315,6 +315,8 @@ def run_microbatch(info: PipelineInfo, context: dict[str, Any], assets: list[Any
     params, run = context["params"], context.get("dag_run")
     conf = dict(getattr(run, "conf", None) or {})
     summary = _batch(info, s, context, start, end, params, conf)
+    if upstream_end is not None and not summary.get("reason") and not params.get("dry_run"):
+        summary = _later_upstream_batches(info, s, context, end, params, conf) or summary
     # What a stage downstream needs to run at this batch's processing time (events go out if the task succeeds).
     for asset in assets:
         context["outlet_events"][asset].extra = {"processing_time": summary.get("processing_time") or _iso(end),
@@ -330,6 +332,23 @@ def run_microbatch(info: PipelineInfo, context: dict[str, Any], assets: list[Any
     if progress := summary.get("backfill"):
         log.info("backfill progress for %s: %d/%d batches done", name, progress["done"], progress["total"])
     return {"pipeline": name, **summary}
+
+
+def _later_upstream_batches(info: PipelineInfo, s: Settings, context: dict[str, Any], after: datetime,
+                            params: dict[str, Any], conf: dict[str, Any]) -> dict[str, Any] | None:
+    """An asset-triggered stage run goes on to its upstreams' batches committed after its own, one batch each, as
+    their events would (``catchup.upstream_batches_after``); the last one's summary (None: there were none)."""
+    from millpond.lake.tables import Tables
+    from millpond.runtime import catchup
+
+    summary = None
+    for t in catchup.upstream_batches_after(Tables(s), list(info.upstreams), to_us(after)):
+        end = to_datetime(t)
+        log.info("%s: the upstream batch at %s committed meanwhile: its stage batch too", info.name, _iso(end))
+        summary = _batch(info, s, context, end - info.batch_interval, end, params, conf)
+        if summary.get("reason"):
+            break
+    return summary
 
 
 def _batch(info: PipelineInfo, s: Settings, context: dict[str, Any], start: datetime, end: datetime,

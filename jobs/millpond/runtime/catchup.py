@@ -68,3 +68,16 @@ def catching_up(tables: Tables, pipeline: str) -> str:
         return ""
     return (f"{ops[-1]['operation']} of {pipeline} is catching up to {iso(until)} (at {iso(reached)} now; until "
             f"{iso(deadline)} at the latest): this live run leaves its files to the first live run after it")
+
+
+def upstream_batches_after(tables: Tables, upstreams: list[str], after: int) -> list[int]:
+    """The processing times (us) of the upstreams' committed batches after ``after``, in order: what an
+    asset-triggered stage run goes on to (an upstream event that arrives while the stage's run is active can
+    wait in Airflow's queue until the next one, apache/airflow#56050; its batch is read now, and its own run,
+    when it comes, finds the batch committed)."""
+    times: set[int] = set()
+    for name in upstreams:
+        if tables.exists(name, "batches"):
+            rows = tables.read_arrow(name, "batches", columns=["processing_time"]).column(0).to_pylist()
+            times |= {to_us(t) for t in rows if t is not None and to_us(t) > after}
+    return sorted(times)
