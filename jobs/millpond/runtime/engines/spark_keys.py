@@ -92,11 +92,11 @@ def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type:
     from pyspark.sql import functions as F
 
     vtype = "bigint" if value_type == "int" else "double"
-    events = accepted.select("key", "id", F.col("value").cast(vtype).alias("value"), "event_time", "arrival_time")
-    columns = [*EVENT_FRAME_COLUMNS, *([WEIGHT] if lift is not None else []), "window_start", "window_end", "state"]
+    events = accepted.select("id", "key", F.col("value").cast(vtype).alias("value"), "event_time", "arrival_time")
+    elements = [*EVENT_COLUMNS, *([WEIGHT] if lift is not None else [])]
     if lift is not None:
-        events = lifted(events, lift, state, EVENT_FRAME_COLUMNS)
-    events = events.select(*columns[:-3], F.lit(None).cast("bigint").alias("window_start"),
+        events = lifted(events, lift, state, EVENT_COLUMNS)
+    events = events.select(*elements, F.lit(None).cast("bigint").alias("window_start"),
                            F.lit(None).cast("bigint").alias("window_end"), F.lit(None).cast("string").alias("state"))
     combined = events
     if state is not None:
@@ -119,13 +119,12 @@ def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type:
 
     from pyspark.sql.pandas.types import from_arrow_schema
 
-    return map_arrow(key_ranges(combined, partitions, rows, most), run, from_arrow_schema(schema), [*columns, RANGE])
+    return map_arrow(key_ranges(combined, partitions, rows, most), run, from_arrow_schema(schema),
+                     [*elements, "window_start", "window_end", "state", RANGE])
 
 
 #: the column that carries a row's key range into the per-key step's tasks
 RANGE = "_range"
-#: an element's columns as the per-key step reads them
-EVENT_FRAME_COLUMNS = ("key", "id", "value", "event_time", "arrival_time")
 #: about how many of a batch's rows the sample for its key ranges reads
 SAMPLE_ROWS = 20_000
 #: the per-key step's cost one task takes, in elements (a key costs ``layout.KEY_COST``, a stored window
