@@ -123,7 +123,7 @@ OPTIONS: tuple[Option, ...] = (
            "with engine spark: a batch of fewer rows (its files' events, estimated from their size, plus its "
            "stored windows) runs as one Spark task, not a multi-stage plan (0: none does)"),
     Option("columnar_windows", "engine.columnar_windows", "MILLPOND_COLUMNAR_WINDOWS", _bool, True,
-           "form windows of keys without stored state on columns (false: the per-element reference path)"),
+           "form and fire the windows of keys without stored state on columns (false: the per-element reference path)"),
     Option("driver_workers", "engine.driver_workers", "MILLPOND_DRIVER_WORKERS", _optional_int, None,
            "processes the local engine forks for a large chunk (auto: one per extra core; 0: none)"),
     Option("driver_min_range", "engine.driver_min_range", "MILLPOND_DRIVER_MIN_RANGE", _int, 20000,

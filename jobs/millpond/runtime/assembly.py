@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -20,10 +21,22 @@ from millpond.model.panes import TS, pane_schema
 from millpond.model.spec import pipeline_from_dict
 from millpond.model.state import WINDOWS_SCHEMA, WindowState
 from millpond.model.step import Element, WindowGroup, process_key, timers
+from millpond.model.step_columns import Fired, NewWindows
 from millpond.model.windows import Window
 
 
-def ts_array(values: Iterable[int | None]) -> pa.Array:
+class NewKeys(NamedTuple):
+    """The new windows of a range's keys that have no stored window, fired on columns: each window's key, the
+    windows (``model.step_columns.NewWindows``) and what the step did with them (``Fired``)."""
+
+    keys: pa.Array
+    windows: NewWindows
+    fired: Fired
+
+
+def ts_array(values: Iterable[int | None] | np.ndarray) -> pa.Array:
+    if isinstance(values, np.ndarray):
+        return pa.array(values.astype(np.int64, copy=False)).cast(TS)
     return pa.array(list(values), pa.int64()).cast(TS)
 
 
@@ -101,7 +114,24 @@ class Assembly:
     def _const(self, value: int, n: int, type_: pa.DataType = pa.int64()) -> pa.Array:
         return pa.array(np.full(n, value, np.int64)).cast(type_)
 
-    def add(self, rows: list[tuple[str, str, list]]) -> None:
+    def add(self, rows: list[tuple[str, str, list]], new: NewKeys | None = None) -> None:
+        """Whole keys' rows (``key_rows``), keys ascending from call to call; ``new``: more keys of the same range,
+        their new windows fired on columns (``NewKeys``), merged in key order."""
+        tables = self._row_tables(rows)
+        if new is not None:
+            for name, table in self._new_tables(new).items():
+                got = tables.get(name)
+                if got is None:
+                    tables[name] = table
+                elif table.num_rows:  # the keys are apart: a stable sort by key keeps each key's own order
+                    both = pa.concat_tables([got, table])
+                    tables[name] = both.take(pc.sort_indices(both, [("key", "ascending")]))
+        for name in ("panes", "state", "late", "current"):
+            if name in tables:
+                self._parts[name].append(tables[name])
+
+    def _row_tables(self, rows: list[tuple[str, str, list]]) -> dict[str, pa.Table]:
+        out: dict[str, pa.Table] = {}
         panes: list[tuple] = []
         states: dict[tuple[str, int, int], tuple] = {}
         gone: list[tuple[str, int, int]] = []
@@ -126,7 +156,7 @@ class Assembly:
             self.values += pc.sum(pc.equal(kinds, "value")).as_py() or 0
             self.retractions += pc.sum(pc.equal(kinds, "retraction")).as_py() or 0
             ps = self.pane_schema
-            self._parts["panes"].append(pa.Table.from_arrays([
+            out["panes"] = (pa.Table.from_arrays([
                 pa.array(col[0], pa.string()), ts_array(col[1]), ts_array(col[2]),
                 pa.array(col[3], ps.field("value").type),
                 pa.array(col[4], pa.int64()), pa.array(col[5], pa.string()), pa.array(col[6], pa.bool_()), kinds,
@@ -135,7 +165,7 @@ class Assembly:
         if states:
             rows_s = [states[k] for k in sorted(states)]
             col = list(zip(*rows_s, strict=True))
-            self._parts["state"].append(pa.Table.from_arrays([
+            out["state"] = (pa.Table.from_arrays([
                 pa.array(col[0], pa.string()), ts_array(col[1]), ts_array(col[2]), pa.array(col[3], pa.string()),
                 ts_array(col[4]),
                 ts_array(col[5]), self._const(self.batch, len(rows_s)), pa.array(col[6], pa.bool_())],
@@ -143,7 +173,7 @@ class Assembly:
         if late:
             col = list(zip(*late, strict=True))
             ls = self.late_schema
-            self._parts["late"].append(pa.Table.from_arrays([
+            out["late"] = (pa.Table.from_arrays([
                 pa.array(col[0], pa.string()), pa.array(col[1], pa.string()), pa.array(col[2], ls.field("value").type),
                 ts_array(col[3]), ts_array(col[4]), pa.array(col[5], pa.string()), self._const(self.batch, len(late))],
                 schema=ls))
@@ -151,11 +181,42 @@ class Assembly:
         if current:
             col = list(zip(*current, strict=True))
             cs = self.current_schema
-            self._parts["current"].append(pa.Table.from_arrays([
+            out["current"] = (pa.Table.from_arrays([
                 pa.array(col[0], pa.string()), ts_array(col[1]), ts_array(col[2]),
                 pa.array(col[3], cs.field("value").type),
                 pa.array(col[4], pa.int64()), pa.array(col[5], pa.string()), self._const(self.batch, len(current)),
                 pa.array(col[6], pa.bool_())], schema=cs))
+        return out
+
+    def _new_tables(self, new: NewKeys) -> dict[str, pa.Table]:
+        """The panes, state rows and current-view rows of new windows fired on columns (``model.step_columns``):
+        at most one value pane each, index 0, in the order ``key_rows`` gives (by key, then window)."""
+        w, f = new.windows, new.fired
+        n = len(w.start)
+        emitted = np.flatnonzero(f.emitted)
+        at = pa.array(emitted)
+        keys = new.keys.take(at)
+        start, end = ts_array(w.start[emitted]), ts_array(w.end[emitted])
+        ps, cs = self.pane_schema, self.current_schema
+        values = pa.array([f.value[i] for i in emitted.tolist()], ps.field("value").type)
+        timing = pa.array(f.timing[emitted].tolist(), pa.string())
+        m = len(emitted)
+        self.values += m
+        panes = pa.Table.from_arrays([
+            keys, start, end, values, self._const(0, m), timing, pa.array(f.is_last[emitted]),
+            pa.array(["value"] * m, pa.string()), self._const(self.batch, m),
+            self._const(self.clock.processing_time, m, TS), self._const(self.clock.watermark, m, TS),
+            self._const(0, m)], schema=ps)
+        current = pa.Table.from_arrays([
+            keys, start, end, values.cast(cs.field("value").type), self._const(0, m), timing,
+            self._const(self.batch, m), pa.array(np.zeros(m, bool))], schema=cs)
+        kept = ~f.gc_due
+        state = pa.Table.from_arrays([
+            new.keys, ts_array(w.start), ts_array(w.end), f.state,
+            pa.array(np.where(kept, f.event_timer, 0), mask=~kept).cast(TS),
+            pa.array(np.where(f.has_ptime_timer, f.ptime_timer, 0), mask=~(kept & f.has_ptime_timer)).cast(TS),
+            self._const(self.batch, n), pa.array(f.gc_due)], schema=WINDOWS_SCHEMA)
+        return {"panes": panes, "state": state, "current": current}
 
     def empty_like(self) -> Assembly:
         """An empty assembly for a range of keys (assembled elsewhere, then ``absorb``-ed in key order)."""

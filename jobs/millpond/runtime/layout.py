@@ -17,9 +17,10 @@ import pyarrow.compute as pc
 
 from millpond.model.clock import BatchClock
 from millpond.model.step import Element, Strategy, WindowGroup
+from millpond.model.step_columns import NewWindows, fire_new
 from millpond.model.timeutil import MAX_TS
 from millpond.model.windows import Window
-from millpond.runtime.assembly import us_column
+from millpond.runtime.assembly import NewKeys, us_column
 
 #: the per-key step turns this many elements (+ state rows) at a time into Python objects, and assembles
 #: their output into Arrow before the next: a batch's memory grows with its Arrow columns, not beyond
@@ -89,16 +90,29 @@ class KeyLayout:
              ) -> list[KeyInput]:
         """Keys ``lo..hi``, each with its elements (or its windows formed on columns, see ``form_windows``) and
         its state rows (start, end, JSON), in table order."""
+        return self.split(lo, hi, strategy, clock, columnar, fire=False)[0]
+
+    def split(self, lo: int, hi: int, strategy: Strategy, clock: BatchClock, columnar: bool = True,
+              fire: bool = True) -> tuple[list[KeyInput], NewKeys | None]:
+        """``rows``, less the keys whose new windows fired on columns (``fire``: ``model.step_columns``), which come
+        back apart, as ``NewKeys``; None if there are none."""
         ev_off, st_off = self.ev_off, self.st_off
         ev = self.events.take(self.ev_order[ev_off[lo]:ev_off[hi]])
         counts = np.diff(ev_off[lo:hi + 1])
         got = form_windows(ev, counts, np.diff(st_off[lo:hi + 1]) == 0, strategy, clock) if columnar else None
+        new: NewKeys | None = None
         if got is None:
             by_key: list[list[WindowGroup] | None] = [None] * (hi - lo)
         else:  # the formed keys' elements are in their groups: only the others become objects
-            by_key, formed = got
-            ev = ev.filter(np.repeat(~formed, counts))
-            counts = np.where(formed, 0, counts)
+            fired = fire_new(strategy, clock, got.windows) if fire else None
+            if fired is None:
+                by_key = got.groups()
+            else:
+                by_key = [None] * (hi - lo)
+                new = NewKeys(self.keys.slice(lo, hi - lo).take(pa.array(got.key)), got.windows, fired)
+            ev = ev.filter(np.repeat(~got.formed, counts))
+            counts = np.where(got.formed, 0, counts)
+        skip = got.formed if new is not None else np.zeros(hi - lo, bool)
         cols = [ev.column(c).to_pylist() for c in EVENT_COLUMNS]
         # lifted elements (``model.step.lifts``) stand for their weight's events; the others for one
         cols.append(ev.column(WEIGHT).to_pylist() if WEIGHT in ev.column_names else [1] * ev.num_rows)
@@ -109,9 +123,10 @@ class KeyLayout:
         del ev, st
         e_off = np.concatenate([[0], np.cumsum(counts)]).tolist()
         s_off = (st_off[lo:hi + 1] - st_off[lo]).tolist()
-        return [KeyInput(key, elements[e0:e1], by_key[i], st_rows[s0:s1]) for i, (key, (e0, e1), (s0, s1))
-                in enumerate(zip(self.keys.slice(lo, hi - lo).to_pylist(), pairwise(e_off), pairwise(s_off),
-                                 strict=True))]
+        inputs = [KeyInput(key, elements[e0:e1], by_key[i], st_rows[s0:s1]) for i, (key, (e0, e1), (s0, s1))
+                  in enumerate(zip(self.keys.slice(lo, hi - lo).to_pylist(), pairwise(e_off), pairwise(s_off),
+                                   strict=True)) if not skip[i]]
+        return inputs, new
 
 
 class KeyInput(NamedTuple):
@@ -123,17 +138,37 @@ class KeyInput(NamedTuple):
     state_rows: list[tuple[int, int, str]]
 
 
+class Formed(NamedTuple):
+    """A range's keys whose windows were formed on columns (``formed``), each window's key (its index in the
+    range) and the windows themselves, in the order the per-key step fires them."""
+
+    windows: NewWindows
+    formed: np.ndarray
+    key: np.ndarray
+
+    def groups(self) -> list[list[WindowGroup] | None]:
+        """Each key's windows as ``WindowGroup``s (None for a key not formed), for ``process_key``."""
+        w = self.windows
+        values, bounds = w.values.tolist(), w.bounds.tolist()
+        groups = [WindowGroup(win, values[a:b], t, n) for win, (a, b), t, n
+                  in zip(map(Window, w.start.tolist(), w.end.tolist()), pairwise(bounds), w.first_arrival.tolist(),
+                         w.count.tolist(), strict=True)]
+        # each formed key's windows: a slice of ``groups`` (keys ascending, each key's windows by start)
+        per_key = np.searchsorted(self.key, np.arange(len(self.formed) + 1)).tolist()
+        return [groups[per_key[i]:per_key[i + 1]] if f else None for i, f in enumerate(self.formed.tolist())]
+
+
 def form_windows(ev: pa.Table, counts: np.ndarray, stateless: np.ndarray, strategy: Strategy, clock: BatchClock
-            ) -> tuple[list[list[WindowGroup] | None], np.ndarray] | None:
+                 ) -> Formed | None:
     """Windows formed on columns for the keys with elements, no stored windows and no late element: steps
     1-3 of ``engine.process_key`` (assign, merge, group in arrival order) without an object per element.
-    Returns (each key's groups or None, which keys were formed), or None where the window function cannot
-    assign on columns. The per-element path stays the reference (``tests/test_fast_paths.py``)."""
+    Returns the formed keys and their windows, or None where the window function cannot assign on columns
+    (or no key qualifies). The per-element path stays the reference (``tests/test_fast_paths.py``)."""
     wfn, lateness, w_in = strategy.window_fn, strategy.allowed_lateness, clock.input_watermark
     key = np.repeat(np.arange(len(counts)), counts)
     ts = pc.cast(ev.column("event_time"), pa.int64()).to_numpy()
     assigned = wfn.assign_columns(ts)
-    if assigned is None:
+    if assigned is None or ev.column("value").null_count:
         return None
     start, end = assigned
     # an element is late if its window's garbage-collection time is at or behind the input watermark
@@ -159,20 +194,15 @@ def form_windows(ev: pa.Table, counts: np.ndarray, stateless: np.ndarray, strate
     opens[:1] = True
     np.logical_or(k[1:] != k[:-1], s[1:] != s[:-1], out=opens[1:])
     firsts = np.flatnonzero(opens)
-    values = ev.column("value").take(order).to_pylist()
-    first_arrival = pc.cast(arrival, pa.int64()).to_numpy()[order[firsts]].tolist()
-    bounds = np.append(firsts, len(k)).tolist()
+    bounds = np.append(firsts, len(k))
     if WEIGHT in ev.column_names:  # lifted elements count as the events they stand for
-        counts_of = np.add.reduceat(pc.cast(ev.column(WEIGHT), pa.int64()).to_numpy()[order], firsts).tolist()
+        counts_of = np.add.reduceat(pc.cast(ev.column(WEIGHT), pa.int64()).to_numpy()[order], firsts)
     else:
-        counts_of = np.diff(bounds).tolist()
-    windows = list(map(Window, s[firsts].tolist(), e[firsts].tolist()))
-    groups = [WindowGroup(w, values[a:b], t, n) for w, (a, b), t, n
-              in zip(windows, pairwise(bounds), first_arrival, counts_of, strict=True)]
-    # each formed key's windows: a slice of ``groups`` (keys ascending, each key's windows by start)
-    per_key = np.searchsorted(k[firsts], np.arange(len(counts) + 1)).tolist()
-    by_key = [groups[per_key[i]:per_key[i + 1]] if f else None for i, f in enumerate(formed.tolist())]
-    return by_key, formed
+        counts_of = np.diff(bounds)
+    values = ev.column("value").take(pa.array(order)).to_numpy()
+    first_arrival = pc.cast(arrival, pa.int64()).to_numpy()[order[firsts]]
+    windows = NewWindows(s[firsts], e[firsts], first_arrival, counts_of.astype(np.int64), values, bounds)
+    return Formed(windows, formed, k[firsts])
 
 
 def may_overflow(values: pa.ChunkedArray | pa.Array, counts: np.ndarray) -> np.ndarray:
