@@ -1,5 +1,6 @@
 """The per-key step's key ranges on the Spark engine (``runtime.engines.spark_keys.key_ranges``): ranges of
-about equal cost, a key costing more than a row, each range in a task of its own."""
+about equal cost, a key with stored windows costing more than a row (one without, about a row), each range in a
+task of its own."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from millpond.runtime.engines.spark_keys import (
     tasks_for,
     weighted_bounds,
 )
-from millpond.runtime.layout import KEY_COST
+from millpond.runtime.layout import KEY_COST, NEW_KEY_COST
 
 
 def _skewed(heavy: int = 10, heavy_rows: int = 2_000, light: int = 6_000) -> list[tuple[str, int]]:
@@ -25,8 +26,8 @@ def _skewed(heavy: int = 10, heavy_rows: int = 2_000, light: int = 6_000) -> lis
 
 @pytest.mark.unit
 def test_bounds_split_the_cost_of_keys_not_their_rows() -> None:
-    keys = _skewed()
-    bounds = weighted_bounds([k for k, _ in keys], [n for _, n in keys], 2)
+    keys = _skewed()  # every key with stored windows: each costs KEY_COST beside its rows
+    bounds = weighted_bounds([k for k, _ in keys], [KEY_COST + n for _, n in keys], 2)
     assert bounds is not None and len(bounds) == 1
     cost = [sum(KEY_COST + n for k, n in keys if (k <= bounds[0]) == first) for first in (True, False)]
     assert max(cost) / min(cost) < 1.05
@@ -46,12 +47,14 @@ def test_bounds_are_distinct_and_need_enough_keys() -> None:
 
 @pytest.mark.unit
 def test_the_step_s_tasks_follow_its_estimated_cost_within_the_rows_and_the_width() -> None:
-    light = [f"k{i:06d}" for i in range(1_000)]
-    # 1,000 sampled keys of one element, one key in 60: 60,000 keys, about 1.26M of cost
-    assert tasks_for(light, [1] * 1_000, 60, 1, 8) == -(-60 * 1_000 * (KEY_COST + 1) // COST_PER_TASK)
-    assert tasks_for(light, [1] * 1_000, 60, 1, 2) == 2  # never above the deployment's width
-    assert tasks_for(light, [1] * 1_000, 1, 3, 8) == 3  # never below the rows' tasks
-    assert tasks_for([], [], 1, 1, 8) == 1
+    # 1,000 sampled keys of one element and stored windows, one key in 60: 60,000 keys, about 1.26M of cost
+    light = [KEY_COST + 1] * 1_000
+    assert tasks_for(light, 60, 1, 8) == -(-60 * 1_000 * (KEY_COST + 1) // COST_PER_TASK)
+    assert tasks_for(light, 60, 1, 2) == 2  # never above the deployment's width
+    assert tasks_for(light, 1, 3, 8) == 3  # never below the rows' tasks
+    assert tasks_for([], 1, 1, 8) == 1
+    # the same keys without stored windows fire on columns: about a row's cost each, one task
+    assert tasks_for([NEW_KEY_COST + 1] * 1_000, 60, 1, 8) == 1
 
 
 @pytest.mark.unit
@@ -73,6 +76,7 @@ def test_each_range_runs_in_its_own_task_with_a_fair_share_of_the_keys(spark) ->
     from pyspark.sql import functions as F
 
     rows = [(k, None) for k, n in _skewed() for _ in range(n)]
+    rows += [(k, "{}") for k, _ in _skewed()]  # each key has a stored window: it costs KEY_COST
     frame = spark.createDataFrame(rows, "key string, state string")
     spread = key_ranges(frame, 2, len(rows)).select("key", RANGE, F.spark_partition_id().alias("task"))
     tasks = spread.groupBy("task").agg(F.countDistinct("key").alias("keys"), F.count(F.lit(1)).alias("rows"),
@@ -86,6 +90,22 @@ def test_each_range_runs_in_its_own_task_with_a_fair_share_of_the_keys(spark) ->
     assert max(cost) / min(cost) < 1.3, by_task  # Spark's repartitionByRange: 1 : 9 here
 
 
+def test_keys_without_stored_windows_are_split_by_their_rows(spark) -> None:
+    """A first batch's keys have no stored window: their windows fire on columns, at about a row's cost, so the
+    ranges balance rows (the hot keys' range is not the one with every row, as by ``KEY_COST`` a key: 780k of a
+    1M batch's rows in one task of four, measured)."""
+    from pyspark.sql import functions as F
+
+    rows = [(k, None) for k, n in _skewed() for _ in range(n)]
+    spread = key_ranges(spark.createDataFrame(rows, "key string, state string"), 2, len(rows)).select(
+        "key", F.spark_partition_id().alias("task"))
+    by_task = sorted(spread.groupBy("task").agg(F.count(F.lit(1)).alias("rows"),
+                                                F.countDistinct("key").alias("keys")).collect(),
+                     key=lambda r: r["task"])
+    cost = [NEW_KEY_COST * r["keys"] + r["rows"] for r in by_task]
+    assert len(by_task) == 2 and max(cost) / min(cost) < 1.3, by_task
+
+
 def test_a_batch_of_many_light_keys_runs_its_step_in_more_tasks_than_its_rows_ask(spark) -> None:
     """A batch of as many keys as elements costs the per-key step about ``KEY_COST`` times its rows: its rows
     alone ask for one task (a core idle while it runs, measured 2.7 s of a 7 s batch); its cost, estimated from
@@ -93,7 +113,9 @@ def test_a_batch_of_many_light_keys_runs_its_step_in_more_tasks_than_its_rows_as
     from pyspark.sql import functions as F
 
     n = max(SIZE_BY_COST_FROM, COST_PER_TASK // (KEY_COST + 1) + 2_000)
-    frame = spark.createDataFrame([(f"k{i:07d}", None) for i in range(n)], "key string, state string")
+    # each key one element and a stored window it reads (the step's Python objects: KEY_COST a key)
+    frame = spark.createDataFrame([(f"k{i:07d}", None) for i in range(n)] + [(f"k{i:07d}", "{}") for i in range(n)],
+                                  "key string, state string")
     spread = key_ranges(frame, 1, n, most=2).select("key", RANGE, F.spark_partition_id().alias("task"))
     tasks = sorted(spread.groupBy("task").agg(F.count(F.lit(1)).alias("rows"), F.min("key").alias("first"),
                                               F.max("key").alias("last")).collect(), key=lambda r: r["task"])

@@ -25,9 +25,12 @@ from millpond.runtime.assembly import NewKeys, us_column
 #: the per-key step turns this many elements (+ state rows) at a time into Python objects, and assembles
 #: their output into Arrow before the next: a batch's memory grows with its Arrow columns, not beyond
 CHUNK_ELEMENTS = 200_000
-#: the per-key step's cost of a key and of a stored window, in elements (measured: ~30 us a key, ~1.5 us an
-#: element): the weights that split a chunk's keys evenly over the cores (Zipf keys sort hot ones together)
+#: the per-key step's cost of a key with stored windows and of a stored window, in elements (measured: ~30 us a key,
+#: ~1.5 us an element): the weights that split a chunk's keys evenly over the cores (Zipf keys sort hot ones
+#: together)
 KEY_COST, STATE_ROW_COST = 20, 3
+#: a key without stored windows: its new windows fire on columns (``model.step_columns``), about an element's cost
+NEW_KEY_COST = 1
 #: the columns of a batch's elements, in ``Element`` field order
 EVENT_COLUMNS = ("id", "key", "value", "event_time", "arrival_time")
 #: an optional column after them: how many events an element stands for (a lifted element's, ``Element.weight``)
@@ -84,7 +87,8 @@ class KeyLayout:
 
     def weights(self, lo: int, hi: int) -> np.ndarray:
         """The per-key step's expected cost of each key in the range, in elements."""
-        return (KEY_COST + np.diff(self.ev_off[lo:hi + 1]) + STATE_ROW_COST * np.diff(self.st_off[lo:hi + 1]))
+        stored = np.diff(self.st_off[lo:hi + 1])
+        return np.where(stored > 0, KEY_COST, NEW_KEY_COST) + np.diff(self.ev_off[lo:hi + 1]) + STATE_ROW_COST * stored
 
     def rows(self, lo: int, hi: int, strategy: Strategy, clock: BatchClock, columnar: bool = True
              ) -> list[KeyInput]:

@@ -18,7 +18,7 @@ from millpond.lake.spark_io import map_arrow
 from millpond.model.clock import BatchClock
 from millpond.runtime.assembly import Assembly, key_rows, strategy_of
 from millpond.runtime.engines.spark_lift import Lift, lifted
-from millpond.runtime.layout import EVENT_COLUMNS, KEY_COST, STATE_ROW_COST, WEIGHT, KeyLayout
+from millpond.runtime.layout import EVENT_COLUMNS, KEY_COST, NEW_KEY_COST, STATE_ROW_COST, WEIGHT, KeyLayout
 
 
 def key_output_schema(value_type: str, pane_type: str) -> pa.Schema:
@@ -128,9 +128,11 @@ def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type:
 RANGE = "_range"
 #: about how many of a batch's rows the sample for its key ranges reads
 SAMPLE_ROWS = 20_000
-#: the per-key step's cost one task takes, in elements (a key costs ``layout.KEY_COST``, a stored window
-#: ``STATE_ROW_COST``): about 0.75 s of its Python. A batch of many light keys (as many keys as elements) costs
-#: about 20 times its rows, so its rows alone would leave a core idle while one task runs the step
+SAMPLE_SEED = 42
+#: the per-key step's cost one task takes, in elements (a key with stored windows costs ``layout.KEY_COST``, one
+#: without ``NEW_KEY_COST``, a stored window ``STATE_ROW_COST``): about 0.75 s of its Python. A batch of many light
+#: keys with stored windows costs about 20 times its rows, so its rows alone would leave a core idle while one task
+#: runs the step
 COST_PER_TASK = 500_000
 #: a batch of fewer elements keeps the tasks its rows give (no sample job): its step is too short to split
 SIZE_BY_COST_FROM = 20_000
@@ -138,25 +140,34 @@ SIZE_BY_COST_FROM = 20_000
 
 def key_ranges(combined, partitions: int, rows: int, most: int | None = None):
     """``combined`` (elements and stored windows) spread into tasks by ranges of keys, each range about as
-    costly: a key costs ``layout.KEY_COST`` elements, a stored window ``STATE_ROW_COST`` (Spark's own range
-    partitioning balances rows, and a batch's light keys, most of its cost, then sort into one range; measured:
-    one task of two ran 4 s, the other 0.6 s). The bounds come from a sample of the keys (a hash of the key picks
-    about ``SAMPLE_ROWS`` rows, with all of their keys' rows: one small job), which also estimates the step's
-    cost: one task per ``COST_PER_TASK`` of it, at least ``partitions`` (the rows') and at most ``most`` (the
-    deployment's width; default ``partitions``). Each row carries its range (``RANGE``), and the ranges go to tasks
-    by a hash of a number chosen to land range ``i`` in task ``i``. Too small a sample to cut (few keys) leaves it
-    to Spark's ``repartitionByRange``, where a row's range is its task's."""
+    costly: a key with stored windows costs ``layout.KEY_COST`` elements (its step is Python objects), one without
+    ``NEW_KEY_COST`` (its new windows fire on columns, ``model.step_columns``), a stored window ``STATE_ROW_COST``
+    (Spark's own range partitioning balances rows, and a batch's light keys, most of its cost, then sort into one
+    range; measured: one task of two ran 4 s, the other 0.6 s). The bounds come from a sample, one small job: a
+    hash of the key picks about ``SAMPLE_ROWS`` rows' keys for their own cost, a seeded draw about as many rows
+    for theirs. It also estimates the step's cost: one task per ``COST_PER_TASK`` of it, at least ``partitions``
+    (the rows') and at most ``most`` (the deployment's width; default ``partitions``). Each row carries its range
+    (``RANGE``), and the ranges go to tasks by a hash of a number chosen to land range ``i`` in task ``i``. Too
+    small a sample to cut (few keys) leaves it to Spark's ``repartitionByRange``, where a row's range is its
+    task's."""
     from pyspark.sql import functions as F
 
     most = max(partitions, most or partitions)
     if most <= 1 or (partitions <= 1 and rows < SIZE_BY_COST_FROM):
         return _by_range(combined, partitions)
     every = max(1, rows // SAMPLE_ROWS)
-    cost = F.when(F.col("state").isNull(), F.lit(1)).otherwise(F.lit(STATE_ROW_COST))
-    sample = (combined.where(F.pmod(F.xxhash64("key"), F.lit(every)) == 0).groupBy("key")
-              .agg(F.sum(cost).alias("w")).toArrow())
+    # two samples in one pass, each scaled by ``every``: a key's own cost from one key in ``every`` (with all of its
+    # rows, to tell whether it has stored windows), its rows' from one row in ``every``, which finds the few hot
+    # keys a sample of keys would miss (Zipf: the hottest holds 8% of the rows; measured 780k of 1M in one task)
+    key_in = F.pmod(F.xxhash64("key"), F.lit(every)) == 0
+    row_in = F.col("_row_in")  # seeded: the same rows of the same input, run after run
+    stored = F.col("state").isNotNull()
+    cost = F.coalesce(F.sum(F.when(row_in, F.when(stored, F.lit(STATE_ROW_COST)).otherwise(F.lit(1)))), F.lit(0)) + \
+        F.when(~F.max(key_in), F.lit(0)).when(F.max(stored), F.lit(KEY_COST)).otherwise(F.lit(NEW_KEY_COST))
+    sample = (combined.withColumn("_row_in", F.rand(SAMPLE_SEED) * every < 1).where(key_in | row_in)
+              .groupBy("key").agg(cost.alias("w")).toArrow())
     keys, weights = sample.column("key").to_pylist(), sample.column("w").to_pylist()
-    tasks = tasks_for(keys, weights, every, partitions, most)
+    tasks = tasks_for(weights, every, partitions, most)
     bounds = weighted_bounds(keys, weights, tasks) if tasks > 1 else None
     if bounds is None:
         return _by_range(combined, partitions)
@@ -172,20 +183,21 @@ def _by_range(combined, partitions: int):
     return combined.repartitionByRange(partitions, "key").withColumn(RANGE, F.spark_partition_id())
 
 
-def tasks_for(keys: list[str], weights: list[int], every: int, least: int, most: int) -> int:
-    """The per-key step's tasks for a batch whose sample (one key in ``every``) has these keys and row
-    ``weights``: its estimated cost over ``COST_PER_TASK``, within [``least``, ``most``]."""
-    cost = every * (KEY_COST * len(keys) + sum(weights))
+def tasks_for(weights: list[int], every: int, least: int, most: int) -> int:
+    """The per-key step's tasks for a batch whose sample (one key in ``every``) has keys of these ``weights``
+    (each key's cost, its rows' and its own): its estimated cost over ``COST_PER_TASK``, within [``least``,
+    ``most``]."""
+    cost = every * sum(weights)
     return max(least, min(most, -(-cost // COST_PER_TASK)))
 
 
 def weighted_bounds(keys: list[str], weights: list[int], partitions: int) -> list[str] | None:
-    """Upper bounds (inclusive, ascending, distinct) of ``partitions`` key ranges of about equal cost, a key
-    costing ``KEY_COST`` plus its rows' ``weights``; None when the sample has too few keys to cut."""
+    """Upper bounds (inclusive, ascending, distinct) of ``partitions`` key ranges of about equal cost, each key
+    costing its ``weights`` (its rows' and its own); None when the sample has too few keys to cut."""
     if len(keys) < 4 * partitions:
         return None
     order = sorted(range(len(keys)), key=keys.__getitem__)
-    cost = np.cumsum([KEY_COST + weights[i] for i in order])
+    cost = np.cumsum([weights[i] for i in order])
     cuts = np.searchsorted(cost, cost[-1] * np.arange(1, partitions) / partitions)
     bounds: list[str] = []
     last = keys[order[-1]]
