@@ -418,20 +418,26 @@ def _many_new_keys(seed: int) -> tuple[str, list[tuple[BatchClock, dict[str, lis
 
 @pytest.mark.parametrize("seed", range(80))
 def test_new_windows_fired_on_columns_match_the_element_path(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A key's new windows fire on columns (``model.step_columns.fire_new``: accumulators, every builtin trigger
-    through ``model.trigger_columns``, state JSON built on columns): the same panes, state rows (JSON byte for
-    byte, timers), deletes and current rows as ``process_key`` gives them one by one, batch after batch."""
+    """A key's new windows, and the stored windows of a key without new elements, fire on columns
+    (``model.step_columns``: accumulators, every builtin trigger through ``model.trigger_columns``, state read and
+    written as JSON on columns): the same panes (retractions too), state rows (JSON byte for byte, timers),
+    deletes and current rows as ``process_key`` gives them one by one, batch after batch."""
     spec, batches = _many_new_keys(seed)
-    fired: list[int] = []
-    real = layout.fire_new
+    fired: dict[str, list[int]] = {"fire_new": [], "fire_stored": []}
 
-    def counted(*args: Any) -> Any:
-        got = real(*args)
-        fired.append(0 if got is None else len(got.emitted))
-        return got
+    def counted(name: str) -> Any:
+        real = getattr(layout, name)
 
-    monkeypatch.setattr(layout, "fire_new", counted)
+        def count(*args: Any) -> Any:
+            got = real(*args)
+            fired[name].append(0 if got is None else int(got.emitted.sum() + got.upsert.sum() + got.delete.sum()))
+            return got
+        return count
+
+    for name in fired:
+        monkeypatch.setattr(layout, name, counted(name))
     columnar = _run_tables(spec, batches, columnar=True)
     reference = _run_tables(spec, batches, columnar=False)
     assert columnar == reference
-    assert sum(fired) > 0 and any(b["panes"] for b in reference)
+    assert sum(fired["fire_new"]) > 0 and sum(fired["fire_stored"]) > 0, fired
+    assert any(b["panes"] for b in reference)

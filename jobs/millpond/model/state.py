@@ -20,6 +20,11 @@ from millpond.model.windows import Window
 _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
 
 
+def encode_json(value: Any) -> str:
+    """``value`` as the ``windows`` table's JSON writes it (keys sorted, no spaces)."""
+    return _ENCODER.encode(value)
+
+
 @dataclass
 class WindowState:
     window: Window

@@ -30,6 +30,7 @@ from millpond.model.triggers import (
 
 #: fields whose only value is ``True`` (the others hold integers: counts, times, a sequence's position)
 FLAGS = frozenset({"armed", "done"})
+_INT64 = (-(2**63), 2**63 - 1)
 #: (values, present) of a timer over the windows
 Timer = tuple[np.ndarray, np.ndarray]
 
@@ -47,6 +48,41 @@ class NodeColumns:
             self.touch(path, everywhere)
             for name, value in node.items():
                 self.put(path, name, everywhere, np.int64(value))
+
+    @classmethod
+    def of(cls, states: list[State]) -> NodeColumns:
+        """The columns of stored trigger states (each as ``NodeColumns.holds`` allows)."""
+        out = cls(len(states), {})
+        for i, state in enumerate(states):
+            for path, node in state.items():
+                exists = out.exists.get(path)
+                if exists is None:
+                    exists = out.exists[path] = np.zeros(out.n, bool)
+                exists[i] = True
+                fields = out.fields.setdefault(path, {})
+                for name, value in node.items():
+                    got = fields.get(name)
+                    if got is None:
+                        got = fields[name] = (np.zeros(out.n, np.int64), np.zeros(out.n, bool))
+                    got[0][i] = value
+                    got[1][i] = True
+        return out
+
+    @staticmethod
+    def holds(states: list[State]) -> np.ndarray:
+        """Which trigger states the columns can hold: flags that are ``True`` and integer fields."""
+        def fits(state: State) -> bool:
+            return all(value is True if name in FLAGS else type(value) is int and _INT64[0] <= value <= _INT64[1]
+                       for node in state.values() for name, value in node.items())
+        return np.array([fits(s) for s in states], bool)
+
+    def take(self, rows: np.ndarray) -> NodeColumns:
+        """These windows' states only, in this order."""
+        out = NodeColumns(len(rows), {})
+        out.exists = {p: e[rows] for p, e in self.exists.items()}
+        out.fields = {p: {name: (v[rows], h[rows]) for name, (v, h) in fields.items()}
+                      for p, fields in self.fields.items()}
+        return out
 
     def touch(self, path: str, m: np.ndarray) -> None:
         """``ctx.node(path)`` where ``m``."""

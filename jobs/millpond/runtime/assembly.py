@@ -21,16 +21,17 @@ from millpond.model.panes import TS, pane_schema
 from millpond.model.spec import pipeline_from_dict
 from millpond.model.state import WINDOWS_SCHEMA, WindowState
 from millpond.model.step import Element, WindowGroup, process_key, timers
-from millpond.model.step_columns import Fired, NewWindows
+from millpond.model.step_columns import Fired
 from millpond.model.windows import Window
 
 
 class NewKeys(NamedTuple):
-    """The new windows of a range's keys that have no stored window, fired on columns: each window's key, the
-    windows (``model.step_columns.NewWindows``) and what the step did with them (``Fired``)."""
+    """Keys of a range whose windows fired on columns (``model.step_columns``): each window's key and bounds, in the
+    order ``process_key`` fires them (by key, then window), and what the step did with them (``Fired``)."""
 
     keys: pa.Array
-    windows: NewWindows
+    start: np.ndarray
+    end: np.ndarray
     fired: Fired
 
 
@@ -114,11 +115,11 @@ class Assembly:
     def _const(self, value: int, n: int, type_: pa.DataType = pa.int64()) -> pa.Array:
         return pa.array(np.full(n, value, np.int64)).cast(type_)
 
-    def add(self, rows: list[tuple[str, str, list]], new: NewKeys | None = None) -> None:
-        """Whole keys' rows (``key_rows``), keys ascending from call to call; ``new``: more keys of the same range,
-        their new windows fired on columns (``NewKeys``), merged in key order."""
+    def add(self, rows: list[tuple[str, str, list]], news: list[NewKeys] = ()) -> None:
+        """Whole keys' rows (``key_rows``), keys ascending from call to call; ``news``: more keys of the same range,
+        whose windows fired on columns (``NewKeys``), merged in key order."""
         tables = self._row_tables(rows)
-        if new is not None:
+        for new in news:
             for name, table in self._new_tables(new).items():
                 got = tables.get(name)
                 if got is None:
@@ -189,33 +190,46 @@ class Assembly:
         return out
 
     def _new_tables(self, new: NewKeys) -> dict[str, pa.Table]:
-        """The panes, state rows and current-view rows of new windows fired on columns (``model.step_columns``):
-        at most one value pane each, index 0, in the order ``key_rows`` gives (by key, then window)."""
-        w, f = new.windows, new.fired
-        n = len(w.start)
+        """The panes, state rows and current-view rows of windows fired on columns (``model.step_columns``), in the
+        order ``key_rows`` gives: by key, then window; a window's retraction before its value pane."""
+        f = new.fired
         emitted = np.flatnonzero(f.emitted)
-        at = pa.array(emitted)
-        keys = new.keys.take(at)
-        start, end = ts_array(w.start[emitted]), ts_array(w.end[emitted])
+        retract = f.retract[emitted]
+        # each emitted window's panes: its retraction (where one is owed), then its value
+        rows = np.repeat(emitted, 1 + retract)
+        is_value = np.ones(len(rows), bool)
+        is_value[(np.cumsum(1 + retract) - 1 - retract)[retract]] = False
+        m = len(rows)
         ps, cs = self.pane_schema, self.current_schema
-        values = pa.array([f.value[i] for i in emitted.tolist()], ps.field("value").type)
-        timing = pa.array(f.timing[emitted].tolist(), pa.string())
-        m = len(emitted)
-        self.values += m
+        value_type = ps.field("value").type
+        at = rows.tolist()
+        values = pa.array([f.value[i] if v else f.retracted[i] for i, v in zip(at, is_value.tolist(), strict=True)],
+                          value_type)
+        timing = pa.array(f.timing[rows].tolist(), pa.string())
+        n_values = len(emitted)
+        self.values += n_values
+        self.retractions += m - n_values
         panes = pa.Table.from_arrays([
-            keys, start, end, values, self._const(0, m), timing, pa.array(f.is_last[emitted]),
-            pa.array(["value"] * m, pa.string()), self._const(self.batch, m),
+            new.keys.take(pa.array(rows)), ts_array(new.start[rows]), ts_array(new.end[rows]), values,
+            pa.array(f.pane_index[rows] - (~is_value).astype(np.int64)), timing, pa.array(f.is_last[rows] & is_value),
+            pa.array(np.where(is_value, "value", "retraction").tolist(), pa.string()), self._const(self.batch, m),
             self._const(self.clock.processing_time, m, TS), self._const(self.clock.watermark, m, TS),
             self._const(0, m)], schema=ps)
+        shown = pa.array(np.flatnonzero(is_value))
         current = pa.Table.from_arrays([
-            keys, start, end, values.cast(cs.field("value").type), self._const(0, m), timing,
-            self._const(self.batch, m), pa.array(np.zeros(m, bool))], schema=cs)
-        kept = ~f.gc_due
+            panes.column("key").take(shown), panes.column("window_start").take(shown),
+            panes.column("window_end").take(shown), values.take(shown).cast(cs.field("value").type),
+            panes.column("pane_index").take(shown), timing.take(shown), self._const(self.batch, n_values),
+            pa.array(np.zeros(n_values, bool))], schema=cs)
+        changed = np.flatnonzero(f.upsert | f.delete)
+        kept = f.upsert[changed]
+        has_ptime = kept & f.has_ptime_timer[changed]
         state = pa.Table.from_arrays([
-            new.keys, ts_array(w.start), ts_array(w.end), f.state,
-            pa.array(np.where(kept, f.event_timer, 0), mask=~kept).cast(TS),
-            pa.array(np.where(f.has_ptime_timer, f.ptime_timer, 0), mask=~(kept & f.has_ptime_timer)).cast(TS),
-            self._const(self.batch, n), pa.array(f.gc_due)], schema=WINDOWS_SCHEMA)
+            new.keys.take(pa.array(changed)), ts_array(new.start[changed]), ts_array(new.end[changed]),
+            f.state.take(pa.array(changed)),
+            pa.array(np.where(kept, f.event_timer[changed], 0), mask=~kept).cast(TS),
+            pa.array(np.where(has_ptime, f.ptime_timer[changed], 0), mask=~has_ptime).cast(TS),
+            self._const(self.batch, len(changed)), pa.array(f.delete[changed])], schema=WINDOWS_SCHEMA)
         return {"panes": panes, "state": state, "current": current}
 
     def empty_like(self) -> Assembly:

@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from millpond.model.clock import BatchClock
 from millpond.model.step import Element, Strategy, WindowGroup
-from millpond.model.step_columns import NewWindows, fire_new
+from millpond.model.step_columns import NewWindows, column_step, fire_new, fire_stored, stored_columns
 from millpond.model.timeutil import MAX_TS
 from millpond.model.windows import Window
 from millpond.runtime.assembly import NewKeys, us_column
@@ -97,14 +97,18 @@ class KeyLayout:
         return self.split(lo, hi, strategy, clock, columnar, fire=False)[0]
 
     def split(self, lo: int, hi: int, strategy: Strategy, clock: BatchClock, columnar: bool = True,
-              fire: bool = True) -> tuple[list[KeyInput], NewKeys | None]:
-        """``rows``, less the keys whose new windows fired on columns (``fire``: ``model.step_columns``), which come
-        back apart, as ``NewKeys``; None if there are none."""
+              fire: bool = True) -> tuple[list[KeyInput], list[NewKeys]]:
+        """``rows``, less the keys whose windows fired on columns (``fire``: ``model.step_columns``): those with no
+        stored window (their new windows) and those with no new element (their stored windows), which come back
+        apart, as ``NewKeys``."""
         ev_off, st_off = self.ev_off, self.st_off
         ev = self.events.take(self.ev_order[ev_off[lo]:ev_off[hi]])
         counts = np.diff(ev_off[lo:hi + 1])
-        got = form_windows(ev, counts, np.diff(st_off[lo:hi + 1]) == 0, strategy, clock) if columnar else None
-        new: NewKeys | None = None
+        stored = np.diff(st_off[lo:hi + 1])
+        got = form_windows(ev, counts, stored == 0, strategy, clock) if columnar else None
+        news: list[NewKeys] = []
+        skip = np.zeros(hi - lo, bool)
+        keys = self.keys.slice(lo, hi - lo)
         if got is None:
             by_key: list[list[WindowGroup] | None] = [None] * (hi - lo)
         else:  # the formed keys' elements are in their groups: only the others become objects
@@ -113,24 +117,58 @@ class KeyLayout:
                 by_key = got.groups()
             else:
                 by_key = [None] * (hi - lo)
-                new = NewKeys(self.keys.slice(lo, hi - lo).take(pa.array(got.key)), got.windows, fired)
+                news.append(NewKeys(keys.take(pa.array(got.key)), got.windows.start, got.windows.end, fired))
+                skip |= got.formed
             ev = ev.filter(np.repeat(~got.formed, counts))
             counts = np.where(got.formed, 0, counts)
-        skip = got.formed if new is not None else np.zeros(hi - lo, bool)
+        st = self.state.take(self.st_order[st_off[lo]:st_off[hi]])
+        if columnar and fire and column_step(strategy) is not None and ((counts == 0) & (stored > 0)).any():
+            new = _fire_untouched(st, stored, counts == 0, keys, strategy, clock)
+            if new is not None:
+                news.append(new[0])
+                skip |= new[1]
         cols = [ev.column(c).to_pylist() for c in EVENT_COLUMNS]
         # lifted elements (``model.step.lifts``) stand for their weight's events; the others for one
         cols.append(ev.column(WEIGHT).to_pylist() if WEIGHT in ev.column_names else [1] * ev.num_rows)
         elements = list(map(Element._make, zip(*cols, strict=True)))
-        st = self.state.take(self.st_order[st_off[lo]:st_off[hi]])
         st_rows = list(zip(us_column(st, "window_start"), us_column(st, "window_end"),
                            st.column("state").to_pylist(), strict=True))
         del ev, st
         e_off = np.concatenate([[0], np.cumsum(counts)]).tolist()
         s_off = (st_off[lo:hi + 1] - st_off[lo]).tolist()
         inputs = [KeyInput(key, elements[e0:e1], by_key[i], st_rows[s0:s1]) for i, (key, (e0, e1), (s0, s1))
-                  in enumerate(zip(self.keys.slice(lo, hi - lo).to_pylist(), pairwise(e_off), pairwise(s_off),
-                                   strict=True)) if not skip[i]]
-        return inputs, new
+                  in enumerate(zip(keys.to_pylist(), pairwise(e_off), pairwise(s_off), strict=True)) if not skip[i]]
+        return inputs, news
+
+
+def _fire_untouched(st: pa.Table, stored: np.ndarray, quiet: np.ndarray, keys: pa.Array, strategy: Strategy,
+                    clock: BatchClock) -> tuple[NewKeys, np.ndarray] | None:
+    """The stored windows (``st``, grouped by key: ``stored`` rows each) of the keys with no new element
+    (``quiet``), fired on columns where every window of the key can be (``model.step_columns.stored_columns``);
+    with which keys they were. None if no key's could."""
+    key = np.repeat(np.arange(len(stored)), stored)
+    rows = np.flatnonzero(quiet[key])
+    start = pc.cast(st.column("window_start"), pa.int64()).to_numpy()[rows]
+    end = pc.cast(st.column("window_end"), pa.int64()).to_numpy()[rows]
+    texts = st.column("state").take(pa.array(rows)).to_pylist()
+    columns, ok = stored_columns(strategy, start, end, texts)
+    if columns is None:
+        return None
+    # a key fires on columns only whole: each of its windows can
+    blocked = np.bincount(key[rows][~ok], minlength=len(stored)) > 0
+    fine = quiet & (stored > 0) & ~blocked
+    wkey = key[rows][ok]  # the columns' windows' keys
+    take = fine[wkey]
+    if not take.any():
+        return None
+    # ``process_key`` fires a key's windows in order (start, end)
+    at = np.flatnonzero(take)
+    order = at[np.lexsort((columns.end[at], columns.start[at], wkey[at]))]
+    columns, wkey = columns.take(order), wkey[order]
+    fired = fire_stored(strategy, clock, columns)
+    if fired is None:
+        return None
+    return NewKeys(keys.take(pa.array(wkey)), columns.start, columns.end, fired), fine
 
 
 class KeyInput(NamedTuple):
