@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 
 #: rows one task of a batch's shuffles takes (the per-key step's partitions)
 ROWS_PER_TASK = 250_000
+#: rows one task of a batch's landing read parses (``read_tasks``)
+READ_ROWS_PER_TASK = 50_000
 #: a batch of fewer rows broadcasts its ids to the ``seen_ids`` scan (``marked_firsts``): about 40 bytes an id
 SEEN_PROBE_BELOW = 1_000_000
 
@@ -100,6 +102,16 @@ def batch_partitions(settings: Settings, rows: int) -> int:
     return max(1, min(settings.spark_shuffle_partitions, -(-rows // ROWS_PER_TASK)))
 
 
+def read_tasks(settings: Settings, partitions: int, rows: int | None) -> int:
+    """The landing read's tasks: at least the batch's ``partitions``, and one per ``READ_ROWS_PER_TASK`` of its
+    about ``rows`` (None: not known) up to the deployment's width. Parsing is the read's cost (about 10 us a
+    row), so a batch of 100k rows read in one task left a core idle for a second while its shuffles needed one
+    partition. A file is never split, so a batch of one file reads in one task whatever this says."""
+    if rows is None:
+        return partitions
+    return max(partitions, min(settings.spark_shuffle_partitions, -(-rows // READ_ROWS_PER_TASK)))
+
+
 def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time: int, w_in: int, seen,
                    partitions: int, rows_planned: int | None = None):
     """(the quarantined rows, the accepted elements, counts, max event time, the kept rows, the values' largest
@@ -117,7 +129,8 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
 
         return stage_elements(spark, stage_input(job, the_plan, partitions))
     rows = spark_io.read_landing(spark, job.settings, list(zip(the_plan["files"], the_plan["arrivals"], strict=True)),
-                                 job.spec.value_type, processing_time, tasks=partitions)
+                                 job.spec.value_type, processing_time,
+                                 tasks=read_tasks(job.settings, partitions, rows_planned))
     probe = rows_planned is not None and rows_planned < SEEN_PROBE_BELOW  # (None: not known, no probe)
     marked, held = marked_firsts(rows, seen, spark if probe else None)
     marked = keep(spark, marked)
