@@ -134,27 +134,26 @@ def _one_json(v: Any) -> str:
     return encode_json(v)
 
 
-def _accumulators(comb: Combiner, w: NewWindows) -> tuple[list, pa.Array, list]:
-    """Each new window's accumulator (what ``add_all`` from ``create`` gives), its JSON, and its value."""
+def _accumulators(comb: Combiner, w: NewWindows) -> tuple[list, pa.Array]:
+    """Each new window's accumulator (what ``add_all`` from ``create`` gives) and its JSON."""
     n = len(w.start)
     starts = w.bounds[:-1]
     kind = type(comb)
     if kind is Count:
         acc = np.diff(w.bounds)
-        return acc.tolist(), _json_of(acc), acc.tolist()
+        return acc.tolist(), _json_of(acc)
     if w.values.dtype.kind == "i" and kind in (Sum, Min, Max, Mean):
         ufunc = {Sum: np.add, Mean: np.add, Min: np.minimum, Max: np.maximum}[kind]
         total = ufunc.reduceat(w.values, starts) if n else np.zeros(0, np.int64)
         if kind is not Mean:
-            return total.tolist(), _json_of(total), total.tolist()
+            return total.tolist(), _json_of(total)
         counts = np.diff(w.bounds)
         acc_json = join(["[", _json_of(total), ",", _json_of(counts), "]"], n)
-        pairs = [list(p) for p in zip(total.tolist(), counts.tolist(), strict=True)]
-        return pairs, acc_json, [comb.extract(a) for a in pairs]
+        return [list(p) for p in zip(total.tolist(), counts.tolist(), strict=True)], acc_json
     values = w.values.tolist()
     bounds = w.bounds.tolist()
     acc = [comb.add_all(comb.create(), values[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
-    return acc, _json_of(acc), [comb.extract(a) for a in acc]
+    return acc, _json_of(acc)
 
 
 def fire_new(strategy: Strategy, clock: BatchClock, w: NewWindows) -> Fired | None:
@@ -167,7 +166,7 @@ def fire_new(strategy: Strategy, clock: BatchClock, w: NewWindows) -> Fired | No
     fresh = merge_states(strategy.trigger, [{}]) if strategy.window_fn.merging else {}
     if any(type(v) is not int for node in fresh.values() for v in node.values()):
         return None
-    acc, acc_json, _ = _accumulators(strategy.combiner, w)
+    acc, acc_json = _accumulators(strategy.combiner, w)
     nodes = NodeColumns(n, fresh)
     # step 3: the elements reach each window's trigger at once (the first one's processing time)
     trigger.on_element(Ctx(w.end, clock.watermark, clock.processing_time, nodes), "0", np.ones(n, bool),

@@ -1,11 +1,11 @@
 """The builtin triggers of ``model.triggers`` on columns: one call decides for many windows at once.
 
-A batch's new windows (those of keys with no stored window) all start from the same trigger state and see the
-same watermark and processing time; what differs is each window's end, its first element's arrival and how many
-elements it holds. Each builtin trigger's hooks are mirrored here over numpy arrays, a mask saying which windows
-a call applies to, so ``model.step_columns`` runs the per-key step's firing for all of them without a Python
-object per window. The object triggers stay the reference: the same state, node for node, and the same JSON
-(``tests/test_fast_paths.py`` holds the two against each other)."""
+A batch's windows see the same watermark and processing time; what differs is each window's end, its trigger
+state (the same for every new window; a stored one's read from its JSON, ``NodeColumns.of``), its first element's
+arrival and how many elements it holds. Each builtin trigger's hooks are mirrored here over numpy arrays, a mask
+saying which windows a call applies to, so ``model.step_columns`` runs the per-key step's firing for all of them
+without a Python object per window. The object triggers stay the reference: the same state, node for node, and
+the same JSON (``tests/test_fast_paths.py`` holds the two against each other)."""
 
 from __future__ import annotations
 
