@@ -135,7 +135,7 @@ def test_raw_implausible_times_and_duplicates_are_warnings(settings: Settings, p
     assert report.ok, report.critical_failures
     [between] = only(report.warnings, "event_time_epoch_s")
     assert "2 of 4" in between
-    assert only(report.warnings, "expect_column_values_to_be_unique(id)")
+    assert only(report.warnings, "expect_column_values_to_be_between(chk_id_copies)")
 
 
 # -- panes -------------------------------------------------------------------------------------
@@ -281,3 +281,9 @@ def test_concurrent_validations_are_serialised(settings: Settings, pipeline_name
                                 range(3)))
     assert [r.ok for r in reports] == [True, True, True]
     assert len({u for r in reports for u in r.result_urls}) == 6
+
+
+def test_the_dedup_names_the_copies_column_the_raw_suite_reads() -> None:
+    from millpond.runtime.steps import dedup
+
+    assert dedup.COPIES == qs.COPIES

@@ -543,3 +543,33 @@ def test_the_stage_batches_after_an_upstream_rewind_go_on(settings, tables, pipe
              ("down", 8), ("rewind", -1), ("down", 9), ("down", 10), ("up", 1), ("up", 2), ("down", 11)]
     # on Spark, alternately: the batch right after the rewind to before the upstream's first batch is the plan's
     _rewind_scenario(settings, tables, pipeline_name, steps, spark, "alternating")
+
+
+def test_a_validated_stage_is_judged_alike_on_every_engine(settings, tables, pipeline_name, spark) -> None:
+    """A stage's batch validated (as every DAG run is) on the local engine, the one task and the multi-stage plan:
+    its raw suite judges its elements (upstream panes, unique by construction), its panes its retractions; the
+    same reports, none critical."""
+    from test_quality_spark import _outcome
+
+    up = f"{pipeline_name}_up"
+    up_spec = pipeline_from_dict(upstream_doc(up))
+    stages = {engine: pipeline_from_dict(stage_doc(f"{pipeline_name}_{engine}", up)) for engine in
+              ("local", "task", "plan")}
+    chosen = {"local": settings.with_overrides(engine="local"),
+              "task": settings.with_overrides(engine="spark", engine_local_below=0, engine_one_task_below=10**9),
+              "plan": settings.with_overrides(engine="spark", engine_local_below=0, engine_one_task_below=0)}
+    rng = random.Random(5)
+    reports: dict[str, list] = {engine: [] for engine in stages}
+    for batch in range(1, 4):
+        p = T0 + (batch + 1) * 15 * MINUTE
+        land(settings, up, f"b{batch}", session_events(batch, rng), p - MINUTE)
+        run_batch(settings, up_spec, to_datetime(p))
+        for engine, spec in stages.items():
+            result = run_batch(chosen[engine], spec, to_datetime(p), validate=True,
+                               spark=None if engine == "local" else spark)
+            assert result.quality.ok, (engine, result.quality.critical_failures)
+            assert result.engine == {"local": "local/in-process", "task": "spark/one-task",
+                                     "plan": "spark/plan"}[engine]
+            reports[engine].append(_outcome(result.quality))
+    assert reports["task"] == reports["local"] == reports["plan"]
+    assert sum(m["retractions"] for m in tables.read_arrow(up, "batches").to_pylist()) > 0

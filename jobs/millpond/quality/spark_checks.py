@@ -24,14 +24,19 @@ def _col_names(df: Any) -> set[str]:
 
 
 def prepare_raw(df: Any) -> Any:
-    """Add ``chk_event_time_unparseable`` and ``event_time_epoch_s`` (null when not parseable).
+    """Add ``chk_event_time_unparseable`` and ``event_time_epoch_s`` (null when not parseable), and
+    ``chk_id_copies`` where the frame does not bring it (as pandas: the rows of its own id).
 
     Timestamps and dates are taken as they are, numbers as epoch seconds, strings as ISO-8601 in its
     extended form (Spark's timestamp cast: a string without a zone is in the session time zone, UTC
     here; pandas also reads the basic form ``20260101``, Spark does not)."""
+    from pyspark.sql import Window
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
+    if qs.COPIES not in _col_names(df) and "id" in _col_names(df):  # a batch's frame brings them (its dedup's)
+        df = df.withColumn(qs.COPIES, F.when(F.col("id").isNotNull(), F.count(F.lit(1)).over(
+            Window.partitionBy("id"))))
     if "event_time" not in _col_names(df):
         return df
     col = F.col("event_time")

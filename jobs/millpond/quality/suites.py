@@ -81,8 +81,11 @@ def suite_definitions() -> dict[str, list[dict[str, Any]]]:
         _e("expect_column_values_to_not_be_null", CRITICAL, "aggregations need a value", column="value"),
         _e("expect_column_values_to_be_in_type_list", CRITICAL, "value must be numeric",
            column="value", type_list=NUMERIC_TYPES),
-        _e("expect_column_values_to_be_unique", WARNING,
-           "duplicates are dropped by the engine; many of them point at a retrying producer", column="id"),
+        _e("expect_column_values_to_be_between", WARNING,
+           "an id delivered more than once: the engine keeps its first delivery; many copies point at a retrying "
+           "producer (chk_id_copies: how many times the batch's input held the id, plus one where an earlier "
+           "batch accepted it; the engine's dedup counts them)",
+           column="chk_id_copies", min_value=1.0, max_value=1.0),
     ]
     panes = [
         _e("expect_table_columns_to_match_set", CRITICAL, "panes table contract",
@@ -168,9 +171,16 @@ def _parse_times(col: pd.Series) -> pd.Series:
     return out
 
 
+#: the raw frame's count of deliveries per id (one row per id: ``runtime.steps.dedup.Deduped.delivered``)
+COPIES = "chk_id_copies"
+
+
 def prepare_raw(df: pd.DataFrame) -> pd.DataFrame:
-    """Add ``chk_event_time_unparseable`` and ``event_time_epoch_s`` (NaN when not parseable)."""
+    """Add ``chk_event_time_unparseable`` and ``event_time_epoch_s`` (NaN when not parseable), and, for a frame
+    that does not bring its ids' deliveries (a batch's does), ``chk_id_copies``: the rows of its own id."""
     out = df.copy()
+    if COPIES not in out.columns and "id" in out.columns:
+        out[COPIES] = out.groupby("id", dropna=True)["id"].transform("size")
     if "event_time" not in out.columns:
         return out
     parsed = _parse_times(out["event_time"])

@@ -93,9 +93,10 @@ class ComputationBatch(MicroBatch):
         self.output_tables = ("quarantine", "seen_ids", "ingest_log", *COMPUTATION_TABLES, *sorted(self.streams))
 
     def process(self, batch: int, txn: Txn, clock: BatchClock, accepted: pa.Table, plan: dict[str, Any],
-                t: PhaseTimer) -> dict[str, int]:
+                t: PhaseTimer, delivered: pa.Table | None = None) -> dict[str, int]:
         """Run the computation over the batch's keys and the keys with due timers; commit state,
-        timers, productions and the output watermark, each under the batch's transaction."""
+        timers, productions and the output watermark, each under the batch's transaction. (``delivered`` is
+        unused: a computation's batch validates its output streams, not its input.)"""
         versions = plan["versions"]
         by_key: dict[str, list[Record]] = defaultdict(list)
         for i, k, v, et, at in zip(*(accepted.column(c).to_pylist() for c in EVENT_COLUMNS), strict=True):

@@ -48,7 +48,8 @@ class BatchContext(Protocol):
     def landing(self, since: int | None) -> list[StoredObject]: ...
 
     def process(self, batch: int, txn: Txn, clock: BatchClock, accepted: pa.Table, plan: dict[str, Any],
-                t: PhaseTimer) -> dict[str, int]:
+                t: PhaseTimer, delivered: pa.Table | None = None) -> dict[str, int]:
         """The pipeline's per-key step on the local engine (windows, or a MillWheel computation): its outputs'
-        commits queued under ``txn``; counts for the marker."""
+        commits queued under ``txn``; counts for the marker. ``delivered``: the batch's input one row per id
+        (``steps.dedup.Deduped``), which a validated batch's raw suite judges."""
         ...

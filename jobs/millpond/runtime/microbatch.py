@@ -213,7 +213,7 @@ class MicroBatch:
             t.lap("maintain", expired=sum(expired.values()) or None)
 
     def process(self, batch: int, txn: Txn, clock: BatchClock, accepted: pa.Table, plan: dict[str, Any],
-                t: PhaseTimer) -> dict[str, int]:
+                t: PhaseTimer, delivered: pa.Table | None = None) -> dict[str, int]:
         """Windows, triggers and panes for the batch's elements (a table of EVENT_COLUMNS), validated, then
         committed (a MillWheel computation replaces this step, see ``runtime.computation``). Returns counts
         for the marker."""
@@ -223,7 +223,7 @@ class MicroBatch:
         t.lap("assemble", quiet=True)
         if self.validate:
             t.begin("validation")
-            validate.validate(self, batch, clock, accepted, out.panes, out.state)
+            validate.validate(self, batch, clock, accepted if delivered is None else delivered, out.panes, out.state)
             t.lap("validation")
         counts = commit.commit_outputs(self, txn, out)
         counts["state_rows_read"] = state_rows

@@ -89,7 +89,7 @@ class LocalEngine(Engine):
             good, bad = read.read_files(job, the_plan, work.processing_time)
         t.lap("ingest", elements=good.num_rows, quarantined=len(bad))
         seen_version = the_plan["versions"].get("seen_ids")
-        accepted, kept = dedup.dedup(job, good, seen_version, work.w_in)
+        accepted, kept, delivered = dedup.dedup(job, good, seen_version, work.w_in, copies=job.validate)
         duplicates = good.num_rows - accepted.num_rows
         del good
         t.lap("dedup", accepted=accepted.num_rows, duplicates=duplicates)
@@ -97,7 +97,7 @@ class LocalEngine(Engine):
                                                     accepted, the_plan, work.watermark)
         t.lap("watermark", watermark=to_datetime(clock.watermark).isoformat())
         job.commits.defer()
-        outputs = job.process(work.batch, work.txn, clock, accepted, the_plan, t)
+        outputs = job.process(work.batch, work.txn, clock, accepted, the_plan, t, delivered=delivered)
         commit.commit_inputs(job, work.batch, work.txn, bad, accepted, kept, seen_version)
         counts = {"files": len(the_plan["files"]), "input": accepted.num_rows + duplicates + len(bad),
                   "accepted": accepted.num_rows, "duplicates": duplicates, "quarantined": len(bad),

@@ -331,13 +331,13 @@ def panes_frame(out, values):
         (F.col("_off") + F.col("seq")).cast("long").alias("seq"))
 
 
-def validate_batch(job: BatchContext, clock: BatchClock, values, accepted, out, panes, lo: int | None) -> None:
+def validate_batch(job: BatchContext, clock: BatchClock, values, parsed, out, panes, lo: int | None) -> None:
     """The quality suites on the batch's input, panes and live state, validated on Spark (Great Expectations'
-    Spark engine on these DataFrames): only aggregates and a few unexpected examples reach the client."""
+    Spark engine on these DataFrames): only aggregates and a few unexpected examples reach the client.
+    ``parsed``: ``read_and_dedup``'s kept rows, whose firsts the raw suite judges (``steps.validate.delivered``)."""
+    from millpond.runtime.steps.validate import delivered, validate_spark
 
-    from millpond.runtime.steps.validate import validate_spark
-
-    raw = accepted.select("id", "key", "value", ts_column("event_time"))
+    raw = delivered(parsed, job.spec.upstream is None)
     state = with_values(out.where("tbl = 'state' AND NOT deleted"), values).select(
         "key", ts_column("window_start"), ts_column("window_end"), "state", ts_column("event_timer"),
         ts_column("ptime_timer"), batch_column())
@@ -505,7 +505,7 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], inputs:
         lo = first_retracted(panes)  # the job that computes the kept panes
     timer.lap("windowing")
     if job.validate:
-        validate_batch(job, clock, values, accepted, out, panes, lo)
+        validate_batch(job, clock, values, parsed, out, panes, lo)
         timer.lap("validation")
     job.commits.defer()
     outputs = write_outputs(job, txn, values, bad, accepted, out, panes, the_plan["versions"], seen,

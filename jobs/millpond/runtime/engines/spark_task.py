@@ -132,7 +132,7 @@ def run_task(given: TaskInput, batches: Iterable[pa.RecordBatch]) -> Iterator[pa
         good, bad = read.read_files(job, given.plan, given.processing_time)
     lap("ingest")
     seen_version = given.plan["versions"].get("seen_ids")
-    accepted, kept = dedup.dedup(job, good, seen_version, given.w_in)
+    accepted, kept, delivered = dedup.dedup(job, good, seen_version, given.w_in, copies=given.validate)
     lap("dedup")
     clock, max_et = watermark.advance_watermark(job, given.batch, given.processing_time, given.w_in, given.prev,
                                                 accepted, given.plan, given.watermark)
@@ -142,7 +142,7 @@ def run_task(given: TaskInput, batches: Iterable[pa.RecordBatch]) -> Iterator[pa
     written, changed, touched = _write(job, given, out, bad, accepted, kept)
     lap("write")
     if given.validate:
-        written += frame_rows({"accepted": accepted.select(["id", "key", "value", "event_time"]),
+        written += frame_rows({"accepted": delivered,
                                "panes": out.panes, "state": out.state})
     meta = {"watermark": clock.watermark, "max_event_time": max_et, "changed": sorted(changed),
             "touched": sorted(touched),

@@ -4,7 +4,7 @@ event-time range) are duplicates. Ids expire behind the watermark plus the dedup
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -73,28 +73,47 @@ def by_id(job: BatchContext) -> bool:
     return job.spec.upstream is None
 
 
-def dedup(job: BatchContext, good: pa.Table, seen_version: int | None, w_in: int
-          ) -> tuple[pa.Table, pa.Table | None]:
+class Deduped(NamedTuple):
+    """What the dedup gives the batch."""
+
+    #: the accepted elements, in (arrival, file, line) order
+    accepted: pa.Table
+    #: the earlier ids ``seen_ids`` keeps when this batch replaces its files (``seen_keep_from``), else None
+    kept: pa.Table | None
+    #: asked for (a validated batch): its well-formed input one row per id, its first delivery (``id``, ``key``,
+    #: ``value``, ``event_time``), with ``chk_id_copies``: how many times the batch's input held the id, plus one
+    #: where an earlier batch accepted it (the raw suite warns on more than one). Else None.
+    delivered: pa.Table | None = None
+
+
+def dedup(job: BatchContext, good: pa.Table, seen_version: int | None, w_in: int, copies: bool = False
+          ) -> Deduped:
     """Within the batch the first by (arrival, file, line) of each id wins; ids accepted by earlier
-    batches are duplicates. The accepted elements, in (arrival, file, line) order; and, when the
-    batch is to replace seen_ids' files (``seen_keep_from``), the earlier ids it keeps (else None),
-    taken by the same read. A stage's elements (``by_id``) are all accepted, in the same order."""
+    batches are duplicates; the earlier ids kept are taken by the same read (``Deduped``). A stage's elements
+    (``by_id``) are all accepted, in the same order. ``copies``: also give ``Deduped.delivered``."""
     n = good.num_rows
-    if not n:
-        return good, None
-    if not by_id(job):
-        return good.take(pc.sort_indices(good.column("arrival_time"))), None
+    if not n or not by_id(job):
+        accepted = good if not n else good.take(pc.sort_indices(good.column("arrival_time")))
+        return Deduped(accepted, None, _delivered(accepted, np.ones(n, np.int64)) if copies else None)
     order = pc.sort_indices(good.column("arrival_time")).to_numpy()  # stable (see _read)
     rank = np.empty(n, np.int64)
     rank[order] = np.arange(n, dtype=np.int64)
-    firsts = pa.table({"id": good.column("id"), "rank": rank}).group_by("id").aggregate([("rank", "min")])
+    firsts = pa.table({"id": good.column("id"), "rank": rank}).group_by("id").aggregate(
+        [("rank", "min"), *([("rank", "count")] if copies else [])])
     del rank
-    keep = order if firsts.num_rows == n else order[np.sort(firsts.column("rank_min").to_numpy())]
+    counts = np.ones(n, np.int64)
+    if firsts.num_rows == n:
+        keep = order
+    else:
+        by_arrival = np.argsort(firsts.column("rank_min").to_numpy())
+        keep = order[firsts.column("rank_min").to_numpy()[by_arrival]]
+        if copies:
+            counts = firsts.column("rank_count").to_numpy()[by_arrival]
     del firsts, order
     accepted = good.take(keep)
     del keep
     if seen_version is None:  # no earlier batch has accepted anything
-        return accepted, None
+        return Deduped(accepted, None, _delivered(accepted, counts) if copies else None)
     seen: set[str] = set()
     kept = None
     ids, event_times = accepted.column("id"), accepted.column("event_time")
@@ -106,8 +125,23 @@ def dedup(job: BatchContext, good: pa.Table, seen_version: int | None, w_in: int
             seen |= seen_before(job, seen_version, ids.slice(lo, SEEN_PROBE_CHUNK).to_pylist(),
                                event_times.slice(lo, SEEN_PROBE_CHUNK).to_pylist())
     if not seen:
-        return accepted, kept
-    return accepted.filter(pc.invert(pc.is_in(ids, value_set=pa.array(sorted(seen), pa.string())))), kept
+        return Deduped(accepted, kept, _delivered(accepted, counts) if copies else None)
+    earlier = pc.is_in(ids, value_set=pa.array(sorted(seen), pa.string()))
+    delivered = None
+    if copies:
+        delivered = _delivered(accepted, counts + pc.cast(earlier, pa.int64()).to_numpy())
+    return Deduped(accepted.filter(pc.invert(earlier)), kept, delivered)
+
+
+#: ``quality.suites.COPIES`` (not imported: that module brings pandas into an executor's one-task batch)
+COPIES = "chk_id_copies"
+
+
+def _delivered(firsts: pa.Table, copies: np.ndarray) -> pa.Table:
+    """``Deduped.delivered`` from the first delivery of each id and its count."""
+    return firsts.select(["id", "key", "value", "event_time"]).append_column(
+        COPIES, pa.array(copies, pa.int64()))
+
 
 def seen_and_kept(job: BatchContext, version: int, ids: pa.ChunkedArray, event_times: pa.ChunkedArray,
                    keep_from: int) -> tuple[set[str], pa.Table]:

@@ -12,16 +12,18 @@ from millpond.errors import MillpondError
 from millpond.lake.sql import sql_in, sql_ts
 from millpond.model.clock import BatchClock
 from millpond.model.timeutil import to_datetime, to_us
+from millpond.quality import suites as qs
 from millpond.runtime.assembly import us_column
 
 if TYPE_CHECKING:
     from millpond.runtime.context import BatchContext
 
 
-def validate(job: BatchContext, batch: int, clock: BatchClock, accepted: pa.Table, panes: pa.Table,
+def validate(job: BatchContext, batch: int, clock: BatchClock, delivered: pa.Table, panes: pa.Table,
              state: pa.Table) -> None:
     """Great Expectations on what this batch read, will emit and will keep; critical stops it here,
-    before anything is published."""
+    before anything is published. ``delivered``: the batch's input one row per id with its ``chk_id_copies``
+    (``steps.dedup.Deduped``; the accepted elements, where a batch's ids are unique by construction: a stage's)."""
     import pandas as pd
 
     from millpond.quality.validation import validate_batch
@@ -32,8 +34,10 @@ def validate(job: BatchContext, batch: int, clock: BatchClock, accepted: pa.Tabl
     def times(table: pa.Table, name: str) -> pd.DatetimeIndex:
         return pd.to_datetime(us_column(table, name), unit="us", utc=True)
 
-    raw = pd.DataFrame({"id": col(accepted, "id"), "key": col(accepted, "key"), "value": col(accepted, "value"),
-                        "event_time": times(accepted, "event_time")})
+    raw = pd.DataFrame({"id": col(delivered, "id"), "key": col(delivered, "key"), "value": col(delivered, "value"),
+                        "event_time": times(delivered, "event_time")})
+    if qs.COPIES in delivered.column_names:
+        raw[qs.COPIES] = delivered.column(qs.COPIES).to_numpy()
     pane_df = panes.to_pandas()
     live = state.filter(pc.invert(state.column("deleted")))
     state_df = pd.DataFrame({
@@ -75,6 +79,22 @@ def first_retracted(panes) -> int | None:
     from pyspark.sql import functions as F
 
     return panes.where(F.col("kind") == "retraction").agg(F.unix_micros(F.min("window_start"))).collect()[0][0]
+
+
+def delivered(parsed, landing: bool):
+    """The Spark engine's raw frame, as ``steps.dedup.Deduped.delivered`` is the local engine's: a landing batch's
+    input one row per id, its first delivery (``spark_batch.read_and_dedup``'s kept rows without the quarantined:
+    accepted, or accepted by an earlier batch, ``_seen``), with ``chk_id_copies``: the batch's rows of the id
+    (``_c``), plus one where an earlier batch accepted it. A stage's elements (not ``landing``) are unique by
+    construction (``steps.dedup.by_id``): one copy each."""
+    from pyspark.sql import functions as F
+
+    time = F.timestamp_micros("event_time").alias("event_time")
+    if not landing:
+        return parsed.select("id", "key", "value", time, F.lit(1).cast("long").alias(qs.COPIES))
+    copies = F.col("_c") + F.when(F.col("_seen"), F.lit(1)).otherwise(F.lit(0))
+    return parsed.where(F.col("reason").isNull()).select("id", "key", "value", time,
+                                                         copies.cast("long").alias(qs.COPIES))
 
 
 def validate_spark(job: BatchContext, clock: BatchClock, raw, panes, state, lo: int | None) -> None:
