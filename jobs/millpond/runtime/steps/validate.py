@@ -12,7 +12,6 @@ from millpond.errors import MillpondError
 from millpond.lake.sql import sql_in, sql_ts
 from millpond.model.clock import BatchClock
 from millpond.model.timeutil import to_datetime, to_us
-from millpond.quality import suites as qs
 from millpond.runtime.assembly import us_column
 
 if TYPE_CHECKING:
@@ -26,6 +25,7 @@ def validate(job: BatchContext, batch: int, clock: BatchClock, delivered: pa.Tab
     (``steps.dedup.Deduped``; the accepted elements, where a batch's ids are unique by construction: a stage's)."""
     import pandas as pd
 
+    from millpond.quality import suites as qs
     from millpond.quality.validation import validate_batch
 
     def col(table: pa.Table, name: str) -> list[Any]:
@@ -88,6 +88,8 @@ def delivered(parsed, landing: bool):
     (``_c``), plus one where an earlier batch accepted it. A stage's elements (not ``landing``) are unique by
     construction (``steps.dedup.by_id``): one copy each."""
     from pyspark.sql import functions as F
+
+    from millpond.quality import suites as qs
 
     time = F.timestamp_micros("event_time").alias("event_time")
     if not landing:
