@@ -176,7 +176,7 @@ def fire_new(strategy: Strategy, clock: BatchClock, w: NewWindows) -> Fired | No
     return _fire(strategy, clock, trigger, columns, touched=True)
 
 
-def stored_columns(strategy: Strategy, start: np.ndarray, end: np.ndarray, texts: list[str]
+def stored_columns(start: np.ndarray, end: np.ndarray, texts: list[str]
                    ) -> tuple[WindowColumns | None, np.ndarray]:
     """Stored windows' states (``WindowState.to_json``'s JSON) on columns, and which of them can fire on columns:
     those that owe no retraction of a merged-away session and whose trigger state holds only counts, times and

@@ -25,7 +25,7 @@ from millpond.model.step_columns import Fired
 from millpond.model.windows import Window
 
 
-class NewKeys(NamedTuple):
+class FiredKeys(NamedTuple):
     """Keys of a range whose windows fired on columns (``model.step_columns``): each window's key and bounds, in the
     order ``process_key`` fires them (by key, then window), and what the step did with them (``Fired``)."""
 
@@ -115,12 +115,12 @@ class Assembly:
     def _const(self, value: int, n: int, type_: pa.DataType = pa.int64()) -> pa.Array:
         return pa.array(np.full(n, value, np.int64)).cast(type_)
 
-    def add(self, rows: list[tuple[str, str, list]], news: list[NewKeys] = ()) -> None:
-        """Whole keys' rows (``key_rows``), keys ascending from call to call; ``news``: more keys of the same range,
-        whose windows fired on columns (``NewKeys``), merged in key order."""
+    def add(self, rows: list[tuple[str, str, list]], fired: list[FiredKeys] = ()) -> None:
+        """Whole keys' rows (``key_rows``), keys ascending from call to call; ``fired``: more keys of the same range,
+        whose windows fired on columns (``FiredKeys``), merged in key order."""
         tables = self._row_tables(rows)
-        for new in news:
-            for name, table in self._new_tables(new).items():
+        for keys in fired:
+            for name, table in self._fired_tables(keys).items():
                 got = tables.get(name)
                 if got is None:
                     tables[name] = table
@@ -189,10 +189,10 @@ class Assembly:
                 pa.array(col[6], pa.bool_())], schema=cs))
         return out
 
-    def _new_tables(self, new: NewKeys) -> dict[str, pa.Table]:
+    def _fired_tables(self, part: FiredKeys) -> dict[str, pa.Table]:
         """The panes, state rows and current-view rows of windows fired on columns (``model.step_columns``), in the
         order ``key_rows`` gives: by key, then window; a window's retraction before its value pane."""
-        f = new.fired
+        f = part.fired
         emitted = np.flatnonzero(f.emitted)
         retract = f.retract[emitted]
         # each emitted window's panes: its retraction (where one is owed), then its value
@@ -210,7 +210,7 @@ class Assembly:
         self.values += n_values
         self.retractions += m - n_values
         panes = pa.Table.from_arrays([
-            new.keys.take(pa.array(rows)), ts_array(new.start[rows]), ts_array(new.end[rows]), values,
+            part.keys.take(pa.array(rows)), ts_array(part.start[rows]), ts_array(part.end[rows]), values,
             pa.array(f.pane_index[rows] - (~is_value).astype(np.int64)), timing, pa.array(f.is_last[rows] & is_value),
             pa.array(np.where(is_value, "value", "retraction").tolist(), pa.string()), self._const(self.batch, m),
             self._const(self.clock.processing_time, m, TS), self._const(self.clock.watermark, m, TS),
@@ -225,7 +225,7 @@ class Assembly:
         kept = f.upsert[changed]
         has_ptime = kept & f.has_ptime_timer[changed]
         state = pa.Table.from_arrays([
-            new.keys.take(pa.array(changed)), ts_array(new.start[changed]), ts_array(new.end[changed]),
+            part.keys.take(pa.array(changed)), ts_array(part.start[changed]), ts_array(part.end[changed]),
             f.state.take(pa.array(changed)),
             pa.array(np.where(kept, f.event_timer[changed], 0), mask=~kept).cast(TS),
             pa.array(np.where(has_ptime, f.ptime_timer[changed], 0), mask=~has_ptime).cast(TS),

@@ -20,7 +20,7 @@ from millpond.model.step import Element, Strategy, WindowGroup
 from millpond.model.step_columns import NewWindows, column_step, fire_new, fire_stored, stored_columns
 from millpond.model.timeutil import MAX_TS
 from millpond.model.windows import Window
-from millpond.runtime.assembly import NewKeys, us_column
+from millpond.runtime.assembly import FiredKeys, us_column
 
 #: the per-key step turns this many elements (+ state rows) at a time into Python objects, and assembles
 #: their output into Arrow before the next: a batch's memory grows with its Arrow columns, not beyond
@@ -97,16 +97,16 @@ class KeyLayout:
         return self.split(lo, hi, strategy, clock, columnar, fire=False)[0]
 
     def split(self, lo: int, hi: int, strategy: Strategy, clock: BatchClock, columnar: bool = True,
-              fire: bool = True) -> tuple[list[KeyInput], list[NewKeys]]:
+              fire: bool = True) -> tuple[list[KeyInput], list[FiredKeys]]:
         """``rows``, less the keys whose windows fired on columns (``fire``: ``model.step_columns``): those with no
         stored window (their new windows) and those with no new element (their stored windows), which come back
-        apart, as ``NewKeys``."""
+        apart, as ``FiredKeys``."""
         ev_off, st_off = self.ev_off, self.st_off
         ev = self.events.take(self.ev_order[ev_off[lo]:ev_off[hi]])
         counts = np.diff(ev_off[lo:hi + 1])
         stored = np.diff(st_off[lo:hi + 1])
         got = form_windows(ev, counts, stored == 0, strategy, clock) if columnar else None
-        news: list[NewKeys] = []
+        fired_keys: list[FiredKeys] = []
         skip = np.zeros(hi - lo, bool)
         keys = self.keys.slice(lo, hi - lo)
         if got is None:
@@ -117,7 +117,7 @@ class KeyLayout:
                 by_key = got.groups()
             else:
                 by_key = [None] * (hi - lo)
-                news.append(NewKeys(keys.take(pa.array(got.key)), got.windows.start, got.windows.end, fired))
+                fired_keys.append(FiredKeys(keys.take(pa.array(got.key)), got.windows.start, got.windows.end, fired))
                 skip |= got.formed
             ev = ev.filter(np.repeat(~got.formed, counts))
             counts = np.where(got.formed, 0, counts)
@@ -125,7 +125,7 @@ class KeyLayout:
         if columnar and fire and column_step(strategy) is not None and ((counts == 0) & (stored > 0)).any():
             new = _fire_untouched(st, stored, counts == 0, keys, strategy, clock)
             if new is not None:
-                news.append(new[0])
+                fired_keys.append(new[0])
                 skip |= new[1]
         cols = [ev.column(c).to_pylist() for c in EVENT_COLUMNS]
         # lifted elements (``model.step.lifts``) stand for their weight's events; the others for one
@@ -138,11 +138,11 @@ class KeyLayout:
         s_off = (st_off[lo:hi + 1] - st_off[lo]).tolist()
         inputs = [KeyInput(key, elements[e0:e1], by_key[i], st_rows[s0:s1]) for i, (key, (e0, e1), (s0, s1))
                   in enumerate(zip(keys.to_pylist(), pairwise(e_off), pairwise(s_off), strict=True)) if not skip[i]]
-        return inputs, news
+        return inputs, fired_keys
 
 
 def _fire_untouched(st: pa.Table, stored: np.ndarray, quiet: np.ndarray, keys: pa.Array, strategy: Strategy,
-                    clock: BatchClock) -> tuple[NewKeys, np.ndarray] | None:
+                    clock: BatchClock) -> tuple[FiredKeys, np.ndarray] | None:
     """The stored windows (``st``, grouped by key: ``stored`` rows each) of the keys with no new element
     (``quiet``), fired on columns where every window of the key can be (``model.step_columns.stored_columns``);
     with which keys they were. None if no key's could."""
@@ -151,7 +151,7 @@ def _fire_untouched(st: pa.Table, stored: np.ndarray, quiet: np.ndarray, keys: p
     start = pc.cast(st.column("window_start"), pa.int64()).to_numpy()[rows]
     end = pc.cast(st.column("window_end"), pa.int64()).to_numpy()[rows]
     texts = st.column("state").take(pa.array(rows)).to_pylist()
-    columns, ok = stored_columns(strategy, start, end, texts)
+    columns, ok = stored_columns(start, end, texts)
     if columns is None:
         return None
     # a key fires on columns only whole: each of its windows can
@@ -168,7 +168,7 @@ def _fire_untouched(st: pa.Table, stored: np.ndarray, quiet: np.ndarray, keys: p
     fired = fire_stored(strategy, clock, columns)
     if fired is None:
         return None
-    return NewKeys(keys.take(pa.array(wkey)), columns.start, columns.end, fired), fine
+    return FiredKeys(keys.take(pa.array(wkey)), columns.start, columns.end, fired), fine
 
 
 class KeyInput(NamedTuple):

@@ -56,10 +56,10 @@ class KeysOnCores:
                 def part(a: int, b: int, lo: int = lo) -> Assembly:
                     out = sink.empty_like()
                     rows: list[tuple] = []
-                    inputs, news = layout.split(lo + a, lo + b, strategy, clock, columnar)
+                    inputs, fired = layout.split(lo + a, lo + b, strategy, clock, columnar)
                     for key, els, groups, sts in inputs:
                         rows += key_rows(spec_json, clock, key, els, sts, groups)
-                    out.add(rows, news)
+                    out.add(rows, fired)
                     return out
 
                 for piece in cores.map_ranges(part, layout.weights(lo, hi).tolist(), before_fork=self.before_fork,

@@ -66,10 +66,10 @@ def run_partition(spec_json: str, clock: BatchClock, value_type: str, pane_type:
     strategy = strategy_of(spec_json)
     for lo, hi in layout.chunks():
         rows: list[tuple] = []
-        inputs, news = layout.split(lo, hi, strategy, clock, columnar)
+        inputs, fired = layout.split(lo, hi, strategy, clock, columnar)
         for key, els, groups, sts in inputs:
             rows += key_rows(spec_json, clock, key, els, sts, groups)
-        sink.add(rows, news)
+        sink.add(rows, fired)
     sink.finish()
     schema = key_output_schema(value_type, pane_type)
     read = pa.table({"tbl": ["read"], "pane_index": pa.array([state.num_rows], pa.int64()),

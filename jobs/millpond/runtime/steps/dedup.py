@@ -101,7 +101,7 @@ def dedup(job: BatchContext, good: pa.Table, seen_version: int | None, w_in: int
     firsts = pa.table({"id": good.column("id"), "rank": rank}).group_by("id").aggregate(
         [("rank", "min"), *([("rank", "count")] if copies else [])])
     del rank
-    counts = np.ones(n, np.int64)
+    counts = np.ones(n, np.int64) if copies else None  # each first delivery's copies in this batch
     if firsts.num_rows == n:
         keep = order
     else:
@@ -112,25 +112,23 @@ def dedup(job: BatchContext, good: pa.Table, seen_version: int | None, w_in: int
     del firsts, order
     accepted = good.take(keep)
     del keep
-    if seen_version is None:  # no earlier batch has accepted anything
-        return Deduped(accepted, None, _delivered(accepted, counts) if copies else None)
     seen: set[str] = set()
     kept = None
     ids, event_times = accepted.column("id"), accepted.column("event_time")
-    keep_from = seen_keep_from(job, w_in, seen_version)
-    if keep_from is not None:
-        seen, kept = seen_and_kept(job, seen_version, ids, event_times, keep_from)
-    else:
-        for lo in range(0, accepted.num_rows, SEEN_PROBE_CHUNK):
-            seen |= seen_before(job, seen_version, ids.slice(lo, SEEN_PROBE_CHUNK).to_pylist(),
-                               event_times.slice(lo, SEEN_PROBE_CHUNK).to_pylist())
-    if not seen:
-        return Deduped(accepted, kept, _delivered(accepted, counts) if copies else None)
-    earlier = pc.is_in(ids, value_set=pa.array(sorted(seen), pa.string()))
+    if seen_version is not None:  # else no earlier batch has accepted anything
+        keep_from = seen_keep_from(job, w_in, seen_version)
+        if keep_from is not None:
+            seen, kept = seen_and_kept(job, seen_version, ids, event_times, keep_from)
+        else:
+            for lo in range(0, accepted.num_rows, SEEN_PROBE_CHUNK):
+                seen |= seen_before(job, seen_version, ids.slice(lo, SEEN_PROBE_CHUNK).to_pylist(),
+                                   event_times.slice(lo, SEEN_PROBE_CHUNK).to_pylist())
+    earlier = pc.is_in(ids, value_set=pa.array(sorted(seen), pa.string())) if seen else None
     delivered = None
-    if copies:
-        delivered = _delivered(accepted, counts + pc.cast(earlier, pa.int64()).to_numpy())
-    return Deduped(accepted.filter(pc.invert(earlier)), kept, delivered)
+    if copies:  # an id an earlier batch accepted: one more copy
+        again = 0 if earlier is None else pc.cast(earlier, pa.int64()).to_numpy()
+        delivered = _delivered(accepted, counts + again)
+    return Deduped(accepted if earlier is None else accepted.filter(pc.invert(earlier)), kept, delivered)
 
 
 #: ``quality.suites.COPIES`` (not imported: that module brings pandas into an executor's one-task batch)
