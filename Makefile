@@ -9,6 +9,8 @@ ASSETS := var/datadocs-assets
 ASSETS_STAMP := $(ASSETS)/.installed
 #: `make test`'s parallel workers (pytest-xdist): a module runs whole on one of them
 TEST_WORKERS ?= 2
+#: a comma inside a make function's argument (``$(or ...)`` splits its arguments at commas)
+comma := ,
 
 .PHONY: run test test-unit soak browser postgresql reference-envs venv up down status lint bench query report docs backfill clean datadocs-assets
 
@@ -25,7 +27,7 @@ test-unit: venv ## the pure model and configuration tests: no service, under a m
 	$(PY) -m pytest -m unit -q
 
 soak: venv ## the randomised operations test, long: SEEDS=1,2 (default: three random, printed) STEPS (default 600)
-	MILLPOND_OPS_SEEDS=$(or $(SEEDS),$$RANDOM,$$RANDOM,$$RANDOM) MILLPOND_OPS_STEPS=$(or $(STEPS),600) \
+	MILLPOND_OPS_SEEDS=$(or $(SEEDS),$$RANDOM$(comma)$$RANDOM$(comma)$$RANDOM) MILLPOND_OPS_STEPS=$(or $(STEPS),600) \
 	  $(PY) -m pytest tests/test_operations_random.py -v
 
 browser: ## Debian's chromium for the Data Docs and Airflow UI tests (installed when missing and root)

@@ -319,3 +319,13 @@ def test_documented_make_targets_exist() -> None:
                 if not re.search(rf"\$\({var}\)|\b{var}\s*[?:]?=", makefile):
                     failures.append(f"make {target} {rest} ({_where(docs)}): the Makefile does not use {var}")
     assert not failures, "make targets the docs show that the Makefile lacks:\n" + "\n".join(failures)
+
+
+def test_make_soak_runs_three_random_seeds_unless_told() -> None:
+    """``make soak`` says "default: three random": its command line, as make expands it, asks for three seeds."""
+    def seeds(*args: str) -> str:
+        out = subprocess.run(["make", "-n", "soak", *args], cwd=ROOT, capture_output=True, text=True, check=True)
+        return re.search(r"MILLPOND_OPS_SEEDS=(\S+)", out.stdout).group(1)
+
+    assert seeds() == "$RANDOM,$RANDOM,$RANDOM"
+    assert seeds("SEEDS=7") == "7"
