@@ -25,6 +25,7 @@ from millpond.model.windows import Sessions, Window
 from millpond.runtime import layout
 from millpond.runtime.assembly import Assembly, key_rows, strategy_of
 from millpond.runtime.engines.local import KeysOnCores
+from millpond.runtime.engines.spark_lift import lifted_id
 from millpond.runtime.layout import EVENT_COLUMNS, WEIGHT
 
 MIN = 60_000_000
@@ -313,8 +314,8 @@ def test_windows_formed_on_columns_cover_many_keys(monkeypatch: pytest.MonkeyPat
 def _lifted(spec: str, clock: BatchClock, by_key: dict[str, list[Element]],
             closed: set[tuple[str, int]] = frozenset()) -> dict[str, list[Element]]:
     """``spark_lift.lifted`` in Python: each key's on-time elements of one window as one element (the window's
-    smallest id, event time and arrival; the aggregate of its values; how many they were), the late ones and
-    those of a ``closed`` stored window ((key, start)) as they are."""
+    id, ``spark_lift.lifted_id``; their smallest event time and arrival; the aggregate of their values; how many
+    they were), the late ones and those of a ``closed`` stored window ((key, start)) as they are."""
     strategy = strategy_of(spec)
     how = engine.lifts(strategy.window_fn, strategy.combiner, pipeline_from_dict(json.loads(spec)).value_type)
     assert how is not None
@@ -329,9 +330,9 @@ def _lifted(spec: str, clock: BatchClock, by_key: dict[str, list[Element]],
                 out.setdefault(key, []).append(el)
             else:
                 windows.setdefault(w, []).append(el)
-        for group in windows.values():
+        for w, group in windows.items():
             out.setdefault(key, []).append(Element(
-                min(e.id for e in group), key, agg(e.value for e in group), min(e.event_time for e in group),
+                lifted_id(w.start), key, agg(e.value for e in group), min(e.event_time for e in group),
                 min(e.arrival_time for e in group), len(group)))
     return out
 

@@ -43,8 +43,9 @@ def test_a_batch_lifts_only_where_nothing_can_tell() -> None:
                                                          ("max", False)])
 def test_spark_lifts_as_the_reference_does(spark, aggregation: str, with_state: bool) -> None:
     """Spark's lifted rows (``lifted``) are the reference lifting's elements: one per key and on-time window
-    (smallest id, event time and arrival; the aggregate; the count), every late element as it came, weight 1,
-    and so every element of a stored window that is closed or (a sum) holds more than can be bounded."""
+    (its window's id, the smallest event time and arrival; the aggregate; the count), every late element as it
+    came, weight 1, and so every element of a stored window that is closed or (a sum) holds more than can be
+    bounded."""
     rng = random.Random(5)
     spec = _spec(aggregation)
     clock = BatchClock(3, T0, T0 - 4 * MIN, T0 - 2 * MIN)
@@ -73,3 +74,18 @@ def test_spark_lifts_as_the_reference_does(spark, aggregation: str, with_state: 
     assert got == want
     combined = [r for r in got if r[5] > 1]
     assert len(got) - len(combined) > 0 and len(combined) <= 3 * 5  # late ones passed, a row per key and window
+
+
+def test_lifting_aggregates_by_hash_in_one_pass(spark) -> None:
+    """The lifted frame's plan aggregates by hash (no aggregate buffer is a string, which would make Spark sort
+    every element by window: the 1M-row stage batch's largest task) and reads its elements once (no union of a
+    combined and a passed-apart branch, each a scan of the batch's elements)."""
+    spec = _spec()
+    clock = BatchClock(3, T0, T0 - 4 * MIN, T0 - 2 * MIN)
+    frame = spark.createDataFrame([("e1", "all", 1, T0 - MIN, T0), ("e2", "all", 2, T0 - 30 * MIN, T0)],
+                                  "id string, key string, value bigint, event_time bigint, arrival_time bigint")
+    lift = lift_for(strategy_of(spec), "int", clock.input_watermark, True, 2.0, 2)
+    plan = lifted(frame, lift)._explain_string(mode="formatted")
+    assert "SortAggregate" not in plan and "HashAggregate" in plan
+    assert "Union" not in plan
+    assert sorted(r["weight"] for r in lifted(frame, lift).collect()) == [1, 1]  # one on time, one late

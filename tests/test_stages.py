@@ -253,8 +253,10 @@ def test_a_stage_s_batches_reach_the_per_key_step_lifted_on_spark(settings, tabl
     """Combiner lifting (``runtime.engines.spark_lift``): a `key: all` stage's batches reach the per-key step of
     the Spark plan as one element per hour they touch (the step is one task: every pane row went through it), the
     first, which reads no stored window, and a later one, which reads the stored hours and adds to them. The
-    tables are the local engine's."""
-    from millpond.runtime.engines import spark_keys
+    elements are made once, by the step's read: counted from the pane rows first (``spark_batch.stage_tally``),
+    never kept. The tables are the local engine's."""
+    from millpond.runtime.engines import spark_batch, spark_keys, spark_upstream
+    from millpond.runtime.layout import EVENT_COLUMNS
 
     up, down = f"{pipeline_name}_up", f"{pipeline_name}_down"
     up_spec, stage = pipeline_from_dict(upstream_doc(up)), Engines(settings, spark, stage_doc(down, up), ("plan",))
@@ -271,9 +273,18 @@ def test_a_stage_s_batches_reach_the_per_key_step_lifted_on_spark(settings, tabl
             into.append(combined.where("state IS NULL").count())  # the elements (not the stored windows)
             return real(combined, *args, **kw)
 
+        kept: list[list[str]] = []
+
+        def keeping(spark_, df, *args, real=spark_batch.keep, into=kept, **kw):
+            into.append(df.columns)
+            return real(spark_, df, *args, **kw)
+
         monkeypatch.setattr(spark_keys, "key_ranges", counted)
+        for module in (spark_batch, spark_upstream):  # every frame a batch keeps
+            monkeypatch.setattr(module, "keep", keeping)
         stage.run(to_datetime(p))
         monkeypatch.undo()
+        assert kept and list(EVENT_COLUMNS) not in kept, kept  # the step's output is kept, never the elements
         marker = tables.read_arrow(f"{down}_plan", "batches").sort_by("batch").to_pylist()[-1]
         # the hours the consumed panes fall in (an element's event time is its pane's window_start): through
         # upstream batch 4 for the stage's first batch, batch 5's for its second, which reads the stored hours

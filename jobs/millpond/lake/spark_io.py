@@ -147,16 +147,20 @@ def _landing_rows(filesystem, bucket: str, key: str, arrival: int, rank: int, va
 
 # Delta snapshots ----------------------------------------------------------------------------------------------
 def read_table(spark, tables, pipeline: str, name: str, version: int | None = None, *,
-               only: list[tuple[str, dict[str, Any]]] | None = None, tasks: int | None = None):
+               only: list[tuple[str, dict[str, Any]]] | None = None, tasks: int | None = None,
+               columns: Sequence[str] | None = None):
     """``pipeline.name`` at ``version`` (latest if None) as a DataFrame, its data files listed here with
     delta-rs and read on executors (a task per file, or at most ``tasks``); ``only``: just these of its files
-    (as ``snapshot_files.data_files`` lists them), e.g. the partitions a rewrite replaces. None if the table
-    does not exist."""
+    (as ``snapshot_files.data_files`` lists them), e.g. the partitions a rewrite replaces; ``columns``: only these
+    (in the table's order), the others not read from the files (Spark cannot prune the columns of a Python
+    task's output). None if the table does not exist."""
     dt = tables.open(pipeline, name, version)
     if dt is None:
         return None
     files = data_files(dt) if only is None else only
     schema = table_schema(dt)
+    if columns is not None:
+        schema = pa.schema([f for f in schema if f.name in set(columns)])
     ids, task = _per_item(spark, files, _table_task, tasks)
     return map_arrow(ids, functools.partial(task, Storage.of(tables.settings), schema), spark_schema(schema),
                      ["id"])

@@ -35,11 +35,14 @@ from millpond.lake.schemas import (
 from millpond.lake.tables import Txn
 from millpond.model.clock import BatchClock
 from millpond.model.panes import pane_schema
+from millpond.model.stages import ALL_KEY
 from millpond.model.state import WINDOW_KEY, WINDOWS_SCHEMA
 from millpond.runtime.engines.base import BatchWork
+from millpond.runtime.engines.spark_keep import keep
 from millpond.runtime.engines.spark_keys import per_key_step
 from millpond.runtime.engines.spark_lift import lift_for
 from millpond.runtime.engines.spark_state import FILE_ROWS, StateFiles, ranged, state_files
+from millpond.runtime.engines.spark_upstream import Tally, stage_tally
 from millpond.runtime.engines.spark_values import batch_values, with_values
 from millpond.runtime.engines.spark_watchdog import watched
 from millpond.runtime.steps.dedup import by_id, seen_keep_from
@@ -71,30 +74,6 @@ def batch_column():
     return F.col("_batch").cast("int").alias("batch")
 
 
-def keep(spark, df, now: bool = False):
-    """``df`` computed once for the batch's several uses. On a ``local`` master, a lazy local checkpoint: its
-    later plans then start from the stored rows instead of repeating the whole lineage, which a Connect server
-    would analyse and plan again for every action (seconds per small batch). On a cluster, a cache: a lost
-    executor's cached rows are recomputed from the lineage, a checkpoint's would fail the batch. ``now``:
-    computed here, in a job of its own (else by the first action that needs it)."""
-    if _local_master(spark):
-        return df.localCheckpoint(eager=now)
-    kept = df.cache()
-    if now:
-        kept.count()
-    return kept
-
-
-_MASTERS: dict[int, bool] = {}
-
-
-def _local_master(spark) -> bool:
-    key = id(spark)
-    if key not in _MASTERS:
-        _MASTERS[key] = str(spark.conf.get("spark.master")).startswith("local")
-    return _MASTERS[key]
-
-
 def batch_partitions(settings: Settings, rows: int) -> int:
     """The batch's shuffle partitions: one task per ``ROWS_PER_TASK`` rows, at most ``spark.shuffle_partitions``.
     A small batch then runs a handful of tasks (each costs a Python worker round trip and, when it writes,
@@ -113,21 +92,21 @@ def read_tasks(settings: Settings, partitions: int, rows: int | None) -> int:
 
 
 def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time: int, w_in: int, seen,
-                   partitions: int, rows_planned: int | None = None):
+                   partitions: int, rows_planned: int | None = None, tally: Tally | None = None):
     """(the quarantined rows, the accepted elements, counts, max event time, the kept rows, the values' largest
     magnitude or None where not taken (a stage's: ``spark_lift``)): parsed on
     executors (in at most ``partitions`` tasks; a stage's elements: ``stage_elements``), first of each id
     by (arrival, file, line), ids seen by earlier batches (``seen``, the ``seen_ids`` snapshot, or None) dropped
     when their event time is within the batch's range, as on the local engine. Only counts come back.
     ``rows_planned``: about how many rows the batch handles (below SEEN_PROBE_BELOW its ids probe ``seen``,
-    ``marked_firsts``); None when not known."""
+    ``marked_firsts``); None when not known. ``tally``: a stage's elements counted already (``stage_tally``)."""
     from pyspark.sql import functions as F
 
     spark = job.spark
     if job.spec.upstream is not None:  # a stage: its upstreams' panes as elements, in the same columns
-        from millpond.runtime.engines.spark_upstream import stage_input
+        from millpond.runtime.engines.spark_upstream import stage_elements, stage_input
 
-        return stage_elements(spark, stage_input(job, the_plan, partitions))
+        return stage_elements(spark, stage_input(job, the_plan, partitions), tally)
     rows = spark_io.read_landing(spark, job.settings, list(zip(the_plan["files"], the_plan["arrivals"], strict=True)),
                                  job.spec.value_type, processing_time,
                                  tasks=read_tasks(job.settings, partitions, rows_planned))
@@ -196,34 +175,26 @@ def marked_firsts(rows, seen, probe=None) -> tuple[Any, Any]:
     return marked.select(*rows.columns, "_c", F.when(~is_bad, F.col("_seen")).alias("_seen")), held
 
 
-def stage_elements(spark, rows):
-    """``read_and_dedup``'s result for a stage's elements (``spark_upstream.stage_input``): every one accepted
-    (their ids are unique by construction, ``steps.dedup.by_id``; a pane row is never malformed), kept once and
-    counted by the job that keeps them: no cache of the rows besides, no shuffle by id."""
-    from pyspark.sql import functions as F
-
-    accepted = keep(spark, rows.select("id", "key", "value", "event_time", "arrival_time"))
-    tally = accepted.agg(F.count(F.lit(1)).alias("n"), F.max("event_time").alias("max_et"),
-                         F.max(F.abs(F.col("value").cast("double"))).alias("big")).collect()[0]
-    counts = {"input": tally["n"], "accepted": tally["n"], "duplicates": 0, "quarantined": 0}
-    return rows.where(F.lit(False)), accepted, counts, tally["max_et"], accepted, tally["big"]
-
-
 def delays(accepted) -> list[int]:
     """arrival - event time per element, for the percentile watermark policy (the one policy that needs
     more than an aggregate)."""
     return [r[0] for r in accepted.selectExpr("arrival_time - event_time").orderBy(1).collect()]
 
 
-def stored_windows(job: BatchContext, files: StateFiles | None, accepted, clock: BatchClock):
+def stored_windows(job: BatchContext, files: StateFiles | None, accepted, clock: BatchClock,
+                   tally: Tally | None = None):
     """The stored windows this batch can change (due timers, or reachable by a new element of its key), with
     times as microseconds: only those rows of the ``windows`` files the batch reads (``files``), read and
-    filtered file by file on executors (``lake.spark_ranged.read_touched``); None without any."""
+    filtered file by file on executors (``lake.spark_ranged.read_touched``); None without any. ``tally``: a
+    one-key stage's elements counted (``stage_tally``), whose range is the key's (the elements are not read for it)."""
     from pyspark.sql import functions as F
 
     if files is None or not files.files:
         return None
-    ranges = accepted.groupBy("key").agg(F.min("event_time").alias("lo"), F.max("event_time").alias("hi"))
+    if tally is not None:
+        ranges = tally.ranges(job.spark, ALL_KEY)
+    else:
+        ranges = accepted.groupBy("key").agg(F.min("event_time").alias("lo"), F.max("event_time").alias("hi"))
     return spark_ranged.read_touched(job.spark, ranges, files.files, files.always, job.settings, WINDOWS_SCHEMA,
                                      clock.watermark, clock.processing_time, job.strategy.window_fn.reach(),
                                      job.settings.spark_shuffle_partitions)
@@ -480,8 +451,9 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], inputs:
     job.spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
     seen = None if seen_version is None else spark_io.read_table(  # a scan: as many tasks as files, up to the width
         job.spark, job.tables, job.name, "seen_ids", seen_version, tasks=job.settings.spark_shuffle_partitions)
+    tally = None if job.spec.upstream is None else stage_tally(job, the_plan, partitions)
     bad, accepted, counts, max_et, parsed, biggest = read_and_dedup(job, the_plan, processing_time, w_in, seen,
-                                                                    partitions, inputs)
+                                                                    partitions, inputs, tally)
     timer.lap("ingest", partitions=partitions)
     policy = job.spec.watermark_policy
     clock, max_et = clock_for(job, job.batch, processing_time, w_in, prev, max_et, the_plan, explicit_watermark,
@@ -494,7 +466,7 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], inputs:
     # can change (the rewrite reads the files it replaces itself, ``lake.spark_ranged``)
     stored_files = None if version is None else state_files(job, version, clock)
     partitions = step_partitions(job, partitions, counts["accepted"], stored_files)
-    state = stored_windows(job, stored_files, accepted, clock)
+    state = stored_windows(job, stored_files, accepted, clock, tally)
     if state is not None:
         state = keep(job.spark, state)
     job.commits.plan_landed()

@@ -227,7 +227,8 @@ def run_computation(job: BatchContext, work: BatchWork, rows: int, timer: PhaseT
 
 def _run(job: BatchContext, work: BatchWork, rows: int, timer: PhaseTimer
          ) -> tuple[dict[str, Any], BatchClock, int | None]:
-    from millpond.runtime.engines.spark_batch import batch_partitions, delays, keep
+    from millpond.runtime.engines.spark_batch import batch_partitions, delays
+    from millpond.runtime.engines.spark_keep import keep
     from millpond.runtime.steps.watermark import clock_for
 
     spark, versions = job.spark, work.plan["versions"]

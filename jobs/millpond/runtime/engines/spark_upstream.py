@@ -10,6 +10,9 @@ content of version ``from`` (consumed) and ``to`` (``steps.upstream.changed_pane
 - across a rewind: both versions' rows above the last batch both still hold (files whose ``batch`` statistic is
   at most that batch are not read), compared on executors by a null-safe anti-join both ways.
 
+A one-key stage's batch counts its elements first from the pane rows' own columns (``stage_tally``), so that only
+the per-key step's read makes them; other batches make, keep and count them first (``stage_elements``).
+
 Why not collect and reuse the local code: a stage over a large upstream would hold every pane row in the batch's
 process. Here the client reads only log entries and file statistics; rows stay on executors.
 """
@@ -17,12 +20,13 @@ process. Here the client reads only log entries and file statistics; rows stay o
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from millpond.lake import spark_io
 from millpond.lake.delta_files import DataFile, added_files, column_max, rows_of, snapshot_files
 from millpond.model.panes import pane_schema
 from millpond.model.stages import ALL_KEY
+from millpond.runtime.engines.spark_keep import keep
 
 if TYPE_CHECKING:
     from millpond.runtime.context import BatchContext
@@ -67,6 +71,56 @@ def stage_input(job: BatchContext, plan: dict[str, Any], partitions: int):
                          for c, t in types.items()))
 
 
+class Tally(NamedTuple):
+    """What a batch knows of its elements before its per-key step: how many, their least and greatest event time
+    (None: none), and a bound of their values' magnitude (``spark_lift``)."""
+
+    rows: int
+    lo: int | None
+    hi: int | None
+    big: float | None
+
+    def ranges(self, spark, key: str):
+        """The elements' event-time range, as one key's (``spark_batch.stored_windows``): a frame of one row."""
+        schema = "key string, lo bigint, hi bigint"
+        return spark.createDataFrame([(key, self.lo, self.hi)] if self.rows else [], schema)
+
+
+def plain_tally(job: BatchContext, plan: dict[str, Any], partitions: int) -> Tally | None:
+    """The planned elements' ``Tally`` from the pane rows themselves, in one job that reads only their window
+    bounds and values: no window over them, no element made, nothing kept, so that the per-key step then reads
+    them once, the only pass that makes elements. None where a range crosses a rewind (its elements are rows of an
+    anti-join, which only making them counts). An element is one pane row (``pane_elements``): its event time is
+    the row's window start or end less 1 us; its value a pane's value less its window's previous one, or either
+    negated, so at most twice the largest pane value's magnitude."""
+    from pyspark.sql import functions as F
+
+    up = job.spec.upstream
+    frames = []
+    for name, rng in (plan["versions"].get("upstreams") or {}).items():
+        before, upto = rng["from"], rng["to"]
+        if before == upto:
+            continue
+        if before is None:
+            version, files = upto, snapshot_files(job.tables, name, "panes", upto)
+        elif upto is not None and upto > before and not job.tables.rewinds(name, "panes", before, upto):
+            version, files = upto, added_files(job.tables, name, "panes", before, upto)
+        else:
+            return None
+        if files:
+            frames.append(spark_io.read_table(job.spark, job.tables, name, "panes", version,
+                                              only=[f.location for f in files], tasks=partitions,
+                                              columns=["window_start", "window_end", "value"]))
+    if not frames:
+        return Tally(0, None, None, None)
+    rows = functools.reduce(lambda a, b: a.unionByName(b), frames)
+    start, end = F.unix_micros("window_start"), F.unix_micros("window_end")
+    event_time = start if up.event_time == "window_start" else end - F.lit(1)
+    got = rows.agg(F.count(F.lit(1)).alias("n"), F.min(event_time).alias("lo"), F.max(event_time).alias("hi"),
+                   F.max(F.abs(F.col("value").cast("double"))).alias("big")).collect()[0]
+    return Tally(got["n"], got["lo"], got["hi"], None if got["big"] is None else 2 * got["big"])
+
+
 def changed_panes(job: BatchContext, name: str, before: int | None, upto: int | None, partitions: int):
     """(removed, added, firsts): DataFrames of pane rows (None: none), as ``steps.upstream.changed_panes``;
     ``firsts``: the files read say by their statistics that every row is its window's first pane (pane index 0),
@@ -75,12 +129,12 @@ def changed_panes(job: BatchContext, name: str, before: int | None, upto: int | 
         return None, None, True
     if before is None:
         files = snapshot_files(job.tables, name, "panes", upto)
-        return None, _read(job, name, upto, files, partitions), _firsts(files)
+        return None, _read(job, name, upto, files, partitions, ELEMENT_SOURCE), _firsts(files)
     lo, hi = sorted(-1 if v is None else v for v in (before, upto))
     rewinds = job.tables.rewinds(name, "panes", lo, hi)
     if upto is not None and upto > before and not rewinds:
         files = added_files(job.tables, name, "panes", before, upto)
-        return None, _read(job, name, upto, files, partitions), _firsts(files)
+        return None, _read(job, name, upto, files, partitions, ELEMENT_SOURCE), _firsts(files)
     listed = {v: snapshot_files(job.tables, name, "panes", v) for v in {before, upto, *rewinds}}
     shared = min(_last_batch(job, name, v, files, partitions) for v, files in listed.items())
     old, new = (_panes_after(job, name, v, listed[v], shared, partitions) for v in (before, upto))
@@ -114,17 +168,25 @@ def planned_rows(job: BatchContext, plan: dict[str, Any]) -> int:
     return total
 
 
-def _read(job: BatchContext, name: str, version: int, files: list[DataFile], partitions: int):
-    """The pane rows of ``files`` (of ``name``'s panes at ``version``), in the stage's pane columns; None if none."""
+#: the pane columns an element is made of (``pane_elements``, ``_with_previous``): a read that compares no rows
+#: (no rewind between) leaves the others in the files
+ELEMENT_SOURCE = ("key", "window_start", "window_end", "value", "pane_index", "kind", "batch", "processing_time",
+                  "seq")
+
+
+def _read(job: BatchContext, name: str, version: int, files: list[DataFile], partitions: int,
+          columns: tuple[str, ...] | None = None):
+    """The pane rows of ``files`` (of ``name``'s panes at ``version``), in the stage's pane columns (``columns``:
+    only these); None if none."""
     from pyspark.sql import functions as F
 
     if not files:
         return None
-    schema = pane_schema(job.spec.value_type)
+    names = [c for c in pane_schema(job.spec.value_type).names if columns is None or c in columns]
     rows = spark_io.read_table(job.spark, job.tables, name, "panes", version, only=[f.location for f in files],
-                               tasks=partitions)
+                               tasks=partitions, columns=None if columns is None else names)
     vtype = "bigint" if job.spec.value_type == "int" else "double"
-    return rows.select(*(F.col(c).cast(vtype).alias(c) if c == "value" else F.col(c) for c in schema.names))
+    return rows.select(*(F.col(c).cast(vtype).alias(c) if c == "value" else F.col(c) for c in names))
 
 
 def _last_batch(job: BatchContext, name: str, version: int | None, files: list[DataFile], partitions: int) -> int:
@@ -208,7 +270,7 @@ def _with_previous(job: BatchContext, name: str, rows, version: int | None, part
         earlier = Window.partitionBy(*PANE_KEY).orderBy("pane_index").rangeBetween(Window.unboundedPreceding, -1)
         value = F.when(F.col("kind") == F.lit("value"), F.col("value"))
         return rows.withColumn("_prev", F.last(value, ignorenulls=True).over(earlier))
-    hist = _read(job, name, version, snapshot_files(job.tables, name, "panes", version), partitions)
+    hist = _read(job, name, version, snapshot_files(job.tables, name, "panes", version), partitions, ELEMENT_SOURCE)
     if hist is None:
         return rows.withColumn("_prev", F.lit(None).cast("bigint" if job.spec.value_type == "int" else "double"))
     bounds = rows.agg(F.min("window_start").alias("_lo"), F.max("window_start").alias("_hi"))
@@ -219,3 +281,32 @@ def _with_previous(job: BatchContext, name: str, rows, version: int | None, part
     prev = hist.select(*PANE_KEY, "pane_index", F.lag("value").over(
         Window.partitionBy(*PANE_KEY).orderBy("pane_index")).alias("_prev"))
     return rows.join(prev, [*PANE_KEY, "pane_index"], "left")
+
+
+def stage_elements(spark, rows, tally: Tally | None = None):
+    """``spark_batch.read_and_dedup``'s result for a stage's elements (``stage_input``): every one accepted
+    (their ids are unique by construction, ``steps.dedup.by_id``; a pane row is never malformed), and no shuffle by
+    id. Counted already (``tally``): left to the per-key step's one read; else kept once and counted by the job
+    that keeps them, no cache of the rows besides."""
+    from pyspark.sql import functions as F
+
+    accepted = rows.select("id", "key", "value", "event_time", "arrival_time")
+    if tally is not None:
+        counts = {"input": tally.rows, "accepted": tally.rows, "duplicates": 0, "quarantined": 0}
+        return rows.where(F.lit(False)), accepted, counts, tally.hi, accepted, tally.big
+    accepted = keep(spark, accepted)
+    tally = accepted.agg(F.count(F.lit(1)).alias("n"), F.max("event_time").alias("max_et"),
+                         F.max(F.abs(F.col("value").cast("double"))).alias("big")).collect()[0]
+    counts = {"input": tally["n"], "accepted": tally["n"], "duplicates": 0, "quarantined": 0}
+    return rows.where(F.lit(False)), accepted, counts, tally["max_et"], accepted, tally["big"]
+
+
+def stage_tally(job: BatchContext, the_plan: dict[str, Any], partitions: int) -> Tally | None:
+    """A one-key stage's elements counted from its upstream pane rows (``plain_tally``), so that
+    they are made once, by the per-key step's read, and never kept: where nothing else reads them (no validation
+    of the batch's input, no percentile watermark; the stored windows it reads found by the tally's range), and
+    only one task runs the step (a key range sample would read them again). None: made, kept and counted first
+    (``stage_elements``)."""
+    if job.spec.upstream.key == "keep" or job.validate or job.spec.watermark_policy.kind == "percentile":
+        return None
+    return plain_tally(job, the_plan, partitions)
