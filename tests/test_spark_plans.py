@@ -252,3 +252,68 @@ def test_a_batch_s_landing_files_are_parsed_in_tasks_by_its_rows(settings, table
     assert result.counts["accepted"] == 400 and result.engine == "spark/plan", result
     assert asked == [4], asked  # four files of about 100 rows: four tasks, though its shuffles take one
     assert tables.read_arrow(pipeline_name, "windows").num_rows == 7  # a session per key
+
+
+def broadcasts_of_rows(plan: str) -> list[str]:
+    """The broadcasts in a physical plan's tree whose input is not a local relation (rows computed on executors
+    first, in jobs of their own)."""
+    tree = plan.split("\n\n", 1)[0].splitlines()
+    return [line.strip() for line, below in zip(tree, [*tree[1:], ""], strict=True)
+            if "BroadcastExchange" in line and "LocalTableScan" not in below]
+
+
+def test_a_batch_s_writes_broadcast_only_local_rows(settings, tables, spark, spark_connect, pipeline_name,
+                                                   monkeypatch) -> None:
+    """Every output table's files are written by one Spark query after the per-key step's job
+    (``write_outputs``), which broadcasts only local rows: the batch's values and the panes' offsets, the
+    latter from the counts the writes took already, one row per step task (``spark_batch.task_offsets``).
+    Before, the offsets were summed on executors from the step's output: a nested-loop join and an aggregate,
+    broadcast, which ran jobs of their own ahead of the write's, each analysed and planned. Three batches of a
+    pipeline several step tasks wide (the later ones rewrite stored windows and the current view), their panes
+    numbered as the local engine numbers them."""
+    from millpond.lake import spark_io
+    from millpond.lake.landing import arrival_tag
+    from millpond.model.spec import pipeline_from_dict
+    from millpond.model.timeutil import US, iso, to_datetime, to_us
+    from millpond.runtime.engines import spark_batch
+    from millpond.runtime.job import run_batch
+
+    monkeypatch.setattr(spark_batch, "ROWS_PER_TASK", 60)  # the batch's 240 rows: four step tasks
+    plans: list[str] = []
+    real = spark_io.collect_writes
+
+    def collect_writes(writes):
+        before = spark_connect.last_job()
+        got = real(writes)
+        after = spark_connect.last_job()
+        executions = spark_connect._get(f"applications/{spark_connect._app()}/sql?details=true&planDescription=true"
+                                        "&length=10000")
+        plans.extend(e.get("planDescription", "") for e in executions
+                     if any(before < j <= after for j in e.get("successJobIds", [])))
+        return got
+
+    monkeypatch.setattr(spark_io, "collect_writes", collect_writes)
+    store = ObjectStore(settings)
+    t0 = to_us("2026-03-01T12:00:00Z")
+    names = {engine: f"{pipeline_name}_{engine}" for engine in ("spark", "local")}
+    for engine, name in names.items():
+        spec = pipeline_from_dict({**SESSIONS, "name": name, "source": {"prefix": f"{name}/"}})
+        chosen = settings.with_overrides(engine=engine, engine_local_below=0, engine_one_task_below=0,
+                                         spark_shuffle_partitions=4)
+        emitted = 0
+        for batch in (1, 2, 3):
+            at = t0 + batch * 300 * US
+            body = "".join(json.dumps({"id": f"{batch}-{i}", "key": f"k{i % 40}", "value": i,
+                                       "event_time": iso(at - (i + 1) * US)}) + "\n" for i in range(240))
+            store.put_bytes(settings.bucket_landing, f"{name}/{arrival_tag(at - 30 * US)}-{batch}.jsonl",
+                            body.encode())
+            result = run_batch(chosen, spec, to_datetime(at), spark=spark if engine == "spark" else None)
+            assert result.engine.startswith(engine), result
+            emitted += result.counts["panes"]
+        assert emitted, engine
+    assert len(plans) == 3 and all("MapInArrow" in p for p in plans), plans  # one write query a batch
+    assert not [b for p in plans for b in broadcasts_of_rows(p)], [b for p in plans for b in broadcasts_of_rows(p)]
+    panes = [tables.read_arrow(name, "panes").sort_by([("batch", "ascending"), ("seq", "ascending")])
+             .select(["key", "window_start", "window_end", "value", "pane_index", "kind", "batch", "seq"])
+             for name in names.values()]
+    assert panes[0].num_rows >= 40 and panes[0].equals(panes[1]), (panes[0].slice(0, 5), panes[1].slice(0, 5))

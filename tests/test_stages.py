@@ -6,6 +6,7 @@ and a downstream batch that failed mid-commit and was retried."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from collections import defaultdict
@@ -254,7 +255,7 @@ def test_a_stage_s_batches_reach_the_per_key_step_lifted_on_spark(settings, tabl
     the Spark plan as one element per hour they touch (the step is one task: every pane row went through it), the
     first, which reads no stored window, and a later one, which reads the stored hours and adds to them. The
     elements are made once, by the step's read: counted from the pane rows first (``spark_batch.stage_tally``),
-    never kept. The tables are the local engine's."""
+    never kept. The tables are the local engine's. The upstream's files are listed once per batch."""
     from millpond.runtime.engines import spark_batch, spark_keys, spark_upstream
     from millpond.runtime.layout import EVENT_COLUMNS
 
@@ -279,12 +280,23 @@ def test_a_stage_s_batches_reach_the_per_key_step_lifted_on_spark(settings, tabl
             into.append(df.columns)
             return real(spark_, df, *args, **kw)
 
+        listed: list[tuple] = []
+
+        def listing(*args, real, into=listed):
+            into.append((real.__name__, *args[1:]))
+            return real(*args)
+
         monkeypatch.setattr(spark_keys, "key_ranges", counted)
         for module in (spark_batch, spark_upstream):  # every frame a batch keeps
             monkeypatch.setattr(module, "keep", keeping)
+        for lister in ("snapshot_files", "added_files"):  # every listing of the upstream's files
+            real = getattr(spark_upstream, lister)
+            monkeypatch.setattr(spark_upstream, lister, functools.partial(listing, real=real))
         stage.run(to_datetime(p))
         monkeypatch.undo()
         assert kept and list(EVENT_COLUMNS) not in kept, kept  # the step's output is kept, never the elements
+        # sizing, the tally and the read share one listing of the range (each reads the upstream's log)
+        assert listed and len(listed) == len(set(listed)), listed
         marker = tables.read_arrow(f"{down}_plan", "batches").sort_by("batch").to_pylist()[-1]
         # the hours the consumed panes fall in (an element's event time is its pane's window_start): through
         # upstream batch 4 for the stage's first batch, batch 5's for its second, which reads the stored hours

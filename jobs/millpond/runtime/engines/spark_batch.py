@@ -227,7 +227,8 @@ def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes
                   seen, partitions: int, keep_from: int | None, quarantined: int,
                   accepted_rows: int, stored_files: StateFiles | None = None) -> dict[str, int]:
     """Every output table's files from the executors in one Spark job, each table one commit; counts for the
-    marker. ``values``: the batch's (``spark_values``: ``_batch``, ``_keep_from``); ``stored_files``: the
+    marker. ``values``: the batch's (``spark_values``: ``_batch``, ``_keep_from``); ``panes``: a validated batch's
+    numbered panes (``panes_frame``), or None (numbered here from the counts the writes take); ``stored_files``: the
     ``windows`` files the batch read at ``versions["windows"]`` (None without one, ``spark_state``);
     ``seen``: the ``seen_ids`` table at
     ``versions["seen_ids"]`` (None without one); ``keep_from``: as ``steps.dedup.seen_keep_from``;
@@ -238,13 +239,16 @@ def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes
     from pyspark.sql import functions as F
 
     batch = batch_column()
-    # one job for every count the writes need: rows per table and kind, and the (day, hour) partitions of
-    # ``window_end`` the current rows touch
-    is_current = F.col("tbl") == "current"
+    # one job for every count the writes need: rows per table and kind, the (day, hour) partitions of
+    # ``window_end`` the current rows touch, and each of the step's tasks' panes (``read`` rows: ``panes_frame``)
+    is_current, is_read = F.col("tbl") == "current", F.col("tbl") == "read"
     groups = out.groupBy("tbl", "kind", F.when(is_current, F.to_date(F.timestamp_micros("window_end"))).alias("d"),
-                         F.when(is_current, F.hour(F.timestamp_micros("window_end"))).alias("h")
-                         ).agg(F.sum(F.when(F.col("tbl") == "read", F.col("pane_index")).otherwise(1)).alias("n")
-                               ).collect()
+                         F.when(is_current, F.hour(F.timestamp_micros("window_end"))).alias("h"),
+                         F.when(is_read, F.col("part")).alias("p")
+                         ).agg(F.sum(F.when(is_read, F.col("pane_index")).otherwise(1)).alias("n"),
+                               F.sum(F.when(is_read, F.col("seq"))).alias("m")).collect()
+    if panes is None:  # numbered from the counts just taken: no job of its own
+        panes = panes_frame(out, values, task_offsets({r["p"]: r["m"] for r in groups if r["tbl"] == "read"}))
     tally: dict[str, int] = {}
     for r in groups:
         tally[r["tbl"] + ":" + (r["kind"] or "")] = tally.get(r["tbl"] + ":" + (r["kind"] or ""), 0) + r["n"]
@@ -280,18 +284,33 @@ def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes
             "retractions": tally.get("panes:retraction", 0), "state_rows_read": state_read}
 
 
-def panes_frame(out, values):
+def task_offsets(panes: dict[int, int]) -> list[tuple[int, int]]:
+    """(task, the panes of the tasks before it), from each of the per-key step's tasks' panes."""
+    offsets, before = [], 0
+    for part in sorted(panes):
+        offsets.append((part, before))
+        before += panes[part] or 0
+    return offsets
+
+
+def panes_frame(out, values, offsets: list[tuple[int, int]] | None = None):
     """The ``panes`` rows, numbered batch-wide by key then emission order (the local engine's ``seq``);
     ``values``: the batch's (``spark_values``: ``_batch``, ``_processing_time``, ``_watermark``).
     The per-key step's tasks hold ranges of keys in order and number their own panes (``spark_keys``): a pane's
     ``seq`` is its task's number plus the panes of the tasks before it, from their ``read`` rows (one per task,
-    joined in as a broadcast), so no step sees every pane in one task and the panes stay in the step's tasks."""
+    joined in as a broadcast), so no step sees every pane in one task and the panes stay in the step's tasks.
+    ``offsets``: those sums (``task_offsets``) where the client has counted the rows already (a batch's writes,
+    ``write_outputs``): one small local row per task, where summing them on executors takes jobs of their own
+    before the write's."""
     from pyspark.sql import functions as F
 
-    counts = out.where("tbl = 'read'").select(F.col("part").alias("_p"), F.col("seq").alias("_n"))
-    before = counts.select(F.col("_p").alias("_q"), F.col("_n").alias("_m"))
-    offsets = counts.join(before, F.col("_q") < F.col("_p"), "left").groupBy("_p").agg(
-        F.coalesce(F.sum("_m"), F.lit(0)).cast("long").alias("_off"))
+    if offsets is not None:
+        offsets = out.sparkSession.createDataFrame(offsets, "_p int, _off bigint")
+    else:
+        counts = out.where("tbl = 'read'").select(F.col("part").alias("_p"), F.col("seq").alias("_n"))
+        before = counts.select(F.col("_p").alias("_q"), F.col("_n").alias("_m"))
+        offsets = counts.join(before, F.col("_q") < F.col("_p"), "left").groupBy("_p").agg(
+            F.coalesce(F.sum("_m"), F.lit(0)).cast("long").alias("_off"))
     rows = out.where("tbl = 'panes'").join(F.broadcast(offsets), F.col("part") == F.col("_p"))
     return with_values(rows, values).select(
         "key", ts_column("window_start"), ts_column("window_end"), F.col("pane_value").alias("value"),
@@ -471,9 +490,9 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], inputs:
         state = keep(job.spark, state)
     job.commits.plan_landed()
     out = compute(job, clock, accepted, state, partitions, counts["accepted"], now=job.validate, biggest=biggest)
-    panes = panes_frame(out, values)
+    panes = None  # numbered by the writes, from their counts (``write_outputs``)
     if job.validate:  # validated and written: numbered once, here (the validation phase holds validation only)
-        panes = keep(job.spark, panes)
+        panes = keep(job.spark, panes_frame(out, values))
         lo = first_retracted(panes)  # the job that computes the kept panes
     timer.lap("windowing")
     if job.validate:
@@ -483,8 +502,9 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], inputs:
     outputs = write_outputs(job, txn, values, bad, accepted, out, panes, the_plan["versions"], seen,
                             partitions, keep_from, counts["quarantined"], counts["accepted"], stored_files)
     counts = {"files": len(the_plan["files"]), **counts, "late": 0, "panes": 0, "retractions": 0, **outputs}
-    # a warm server keeps cached frames until told (``accepted`` is a projection of the kept ``parsed``)
-    for frame in (parsed, state, out, panes if job.validate else None):
+    # a warm server keeps cached frames until told (``accepted`` is a projection of the kept ``parsed``; with a
+    # tally nothing kept them: each unpersist is a round trip)
+    for frame in (parsed if tally is None else None, state, out, panes if job.validate else None):
         if frame is not None:
             frame.unpersist()
     return counts, clock, max_et

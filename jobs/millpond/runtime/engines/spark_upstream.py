@@ -20,6 +20,7 @@ process. Here the client reads only log entries and file statistics; rows stay o
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from millpond.lake import spark_io
@@ -98,15 +99,12 @@ def plain_tally(job: BatchContext, plan: dict[str, Any], partitions: int) -> Tal
     up = job.spec.upstream
     frames = []
     for name, rng in (plan["versions"].get("upstreams") or {}).items():
-        before, upto = rng["from"], rng["to"]
-        if before == upto:
+        if rng["from"] == rng["to"]:
             continue
-        if before is None:
-            version, files = upto, snapshot_files(job.tables, name, "panes", upto)
-        elif upto is not None and upto > before and not job.tables.rewinds(name, "panes", before, upto):
-            version, files = upto, added_files(job.tables, name, "panes", before, upto)
-        else:
+        plain = plain_files(job, name, rng["from"], rng["to"])
+        if plain is None:
             return None
+        version, files = plain
         if files:
             frames.append(spark_io.read_table(job.spark, job.tables, name, "panes", version,
                                               only=[f.location for f in files], tasks=partitions,
@@ -121,20 +119,41 @@ def plain_tally(job: BatchContext, plan: dict[str, Any], partitions: int) -> Tal
     return Tally(got["n"], got["lo"], got["hi"], None if got["big"] is None else 2 * got["big"])
 
 
+#: each batch's plain listings (``plain_files``), dropped with the batch
+_LISTED: weakref.WeakKeyDictionary[Any, dict[tuple[str, int | None, int | None], tuple[int, list[DataFile]] | None]] = (
+    weakref.WeakKeyDictionary())
+
+
+def plain_files(job: BatchContext, name: str, before: int | None, upto: int | None
+                ) -> tuple[int, list[DataFile]] | None:
+    """(version, files): the data files holding an upstream's pane rows added after ``before`` up to ``upto``, read
+    as of ``version``: the whole table where nothing was consumed, else what the commits in between added; None
+    where the range crosses a rewind (or runs backwards), whose rows only a comparison of two versions finds
+    (``changed_panes``). Listed once per batch: sizing, the tally and the read all ask, and each listing reads
+    the table's log."""
+    memo = _LISTED.setdefault(job, {})
+    if (name, before, upto) not in memo:
+        if before is None:
+            memo[name, before, upto] = (upto, snapshot_files(job.tables, name, "panes", upto))
+        elif upto is not None and upto > before and not job.tables.rewinds(name, "panes", before, upto):
+            memo[name, before, upto] = (upto, added_files(job.tables, name, "panes", before, upto))
+        else:
+            memo[name, before, upto] = None
+    return memo[name, before, upto]
+
+
 def changed_panes(job: BatchContext, name: str, before: int | None, upto: int | None, partitions: int):
     """(removed, added, firsts): DataFrames of pane rows (None: none), as ``steps.upstream.changed_panes``;
     ``firsts``: the files read say by their statistics that every row is its window's first pane (pane index 0),
     which has no previous pane (``pane_elements``)."""
     if before == upto:
         return None, None, True
-    if before is None:
-        files = snapshot_files(job.tables, name, "panes", upto)
-        return None, _read(job, name, upto, files, partitions, ELEMENT_SOURCE), _firsts(files)
+    plain = plain_files(job, name, before, upto)
+    if plain is not None:
+        version, files = plain
+        return None, _read(job, name, version, files, partitions, ELEMENT_SOURCE), _firsts(files)
     lo, hi = sorted(-1 if v is None else v for v in (before, upto))
     rewinds = job.tables.rewinds(name, "panes", lo, hi)
-    if upto is not None and upto > before and not rewinds:
-        files = added_files(job.tables, name, "panes", before, upto)
-        return None, _read(job, name, upto, files, partitions, ELEMENT_SOURCE), _firsts(files)
     listed = {v: snapshot_files(job.tables, name, "panes", v) for v in {before, upto, *rewinds}}
     shared = min(_last_batch(job, name, v, files, partitions) for v, files in listed.items())
     old, new = (_panes_after(job, name, v, listed[v], shared, partitions) for v in (before, upto))
@@ -157,12 +176,9 @@ def planned_rows(job: BatchContext, plan: dict[str, Any]) -> int:
         before, upto = rng["from"], rng["to"]
         if before == upto:
             continue
-        if before is None:
-            total += rows_of(snapshot_files(job.tables, name, "panes", upto))
-            continue
-        lo, hi = sorted(-1 if v is None else v for v in (before, upto))
-        if upto is not None and upto > before and not job.tables.rewinds(name, "panes", lo, hi):
-            total += rows_of(added_files(job.tables, name, "panes", before, upto))
+        plain = plain_files(job, name, before, upto)
+        if plain is not None:
+            total += rows_of(plain[1])
         else:  # across a rewind: at most both versions' rows
             total += sum(rows_of(snapshot_files(job.tables, name, "panes", v)) for v in (before, upto))
     return total
