@@ -365,6 +365,32 @@ def test_a_dead_scheduler_is_restarted(airflow_stack) -> None:
     assert stack.revive() == []  # nothing more to do
 
 
+def test_a_revive_waits_for_what_it_restarted_and_stops_only_that(airflow_stack) -> None:
+    """A revive restarts the dead components and waits for their health, not for a live one's heartbeat: a
+    triggerer that lags (here frozen until its heartbeat is stale) while the scheduler is restarted is not the
+    revive's to fix, and the stack stays up. Before, the revive waited its whole start timeout for the triggerer,
+    then stopped every component, so the tests after it found nothing listening."""
+    stack, _ = airflow_stack
+    triggerer = stack.pids()["triggerer"]
+    assert triggerer is not None
+    os.killpg(triggerer, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 120  # the heartbeat is stale after 30 s
+        while stack.health()["triggerer"].get("status") == "healthy" and time.monotonic() < deadline:
+            time.sleep(1.0)
+        assert stack.health()["triggerer"].get("status") != "healthy"
+        os.killpg(stack.pids()["scheduler"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while stack.pids()["scheduler"] is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        t = time.monotonic()
+        assert stack.revive() == ["scheduler"]
+        assert time.monotonic() - t < 120 and stack.running()
+    finally:
+        os.killpg(triggerer, signal.SIGCONT)
+    stack.wait_healthy(120)  # the triggerer's next heartbeat: the stack whole again for the tests after
+
+
 def test_an_upstream_batch_triggers_its_stage_through_its_asset(airflow_stack) -> None:
     """Data-aware scheduling: a stage's DAG is scheduled by its upstream's panes Asset; each upstream batch
     that committed publishes the Asset with its processing time, and the stage runs at that time."""

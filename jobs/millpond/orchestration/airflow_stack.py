@@ -350,10 +350,15 @@ class AirflowStack:
                 )
             self.pidfile(component).write_text(str(proc.pid))
             procs[component] = proc
-        try:
-            self.wait_healthy(timeout, procs)
+        whole = len(missing) == len(COMPONENTS)
+        try:  # a revive waits for what it restarted, and on failure stops only that
+            self.wait_healthy(timeout, procs, only=None if whole else missing)
         except BaseException:
-            self.stop()
+            if whole:
+                self.stop()
+            else:
+                for component in procs:
+                    stop_group(self.pidfile(component), timeout=20.0)
             raise
         return True
 
@@ -374,7 +379,9 @@ class AirflowStack:
         the whole stack is down: that is `make up`'s job). Airflow expects a supervisor to do this: on SQLite its
         scheduler exits on some database races (e.g. a run deleted under it by `dag.test` on the same
         database) and adopts the orphaned tasks when it comes back. On PostgreSQL there are no such races:
-        a dead component is a fault to read about, not to paper over, so it is reported, not restarted."""
+        a dead component is a fault to read about, not to paper over, so it is reported, not restarted. It waits
+        for the health of what it restarted (a live sibling's lagging heartbeat is not its to fix), and if that
+        fails it stops only what it started."""
         pids = self.pids()
         dead = [c for c, pid in pids.items() if pid is None]
         if not dead or len(dead) == len(pids):
@@ -385,8 +392,12 @@ class AirflowStack:
         self.start()
         return dead
 
-    def wait_healthy(self, timeout: float, procs: dict[str, subprocess.Popen] | None = None) -> dict[str, Any]:
-        """Block until the api-server answers and every component reports a heartbeat."""
+    def wait_healthy(self, timeout: float, procs: dict[str, subprocess.Popen] | None = None,
+                     only: list[str] | None = None) -> dict[str, Any]:
+        """Block until the api-server answers and every component reports a heartbeat (``only``: these
+        components, as ``COMPONENTS`` names them; a revive's: a live component's lagging heartbeat is not the
+        revive's to wait for)."""
+        wanted = None if only is None else {"metadatabase", *(c.replace("-", "_") for c in only)}
         deadline = time.monotonic() + timeout
         last = "no answer yet"
         while time.monotonic() < deadline:
@@ -400,7 +411,8 @@ class AirflowStack:
             except MillpondError as exc:
                 last = str(exc)
             else:
-                unhealthy = [k for k, v in health.items() if isinstance(v, dict) and v.get("status") != "healthy"]
+                unhealthy = [k for k, v in health.items() if isinstance(v, dict) and v.get("status") != "healthy"
+                             and (wanted is None or k in wanted)]
                 if not unhealthy:
                     return health
                 last = f"not yet healthy: {', '.join(unhealthy)}"
