@@ -53,3 +53,29 @@ def test_a_filtered_read_finds_the_rows_of_files_executors_wrote(tmp_path) -> No
     for name, expr in filters.items():
         assert dt.to_pyarrow_dataset().to_table(filter=expr).num_rows == ROWS.filter(expr).num_rows >= 1, name
 
+
+
+def test_a_numeric_column_s_bounds_come_from_the_statistics_of_snapshot_and_change_feed(tables, pipeline_name
+                                                                                         ) -> None:
+    """A stage's tally (``runtime.engines.spark_upstream.plain_tally``) sizes its sums from the largest magnitude
+    of the upstream's value columns, read from the files' statistics instead of a Spark job over the rows: the
+    least and the greatest value of each numeric column, listed the same by a snapshot and by the change feed,
+    and no bound at all when a file with rows lacks them (the caller then counts with a job)."""
+    from millpond.lake.delta_files import DataFile, added_files, column_max, magnitude, snapshot_files
+
+    first = pa.table({"n": pa.array([3, -70, 5], pa.int64()), "x": [0.5, -2.5, 1.0], "s": ["a", "b", "c"]})
+    second = pa.table({"n": pa.array([40, 2], pa.int64()), "x": [9.25, float("nan")], "s": ["d", "e"]})
+    tables.append(pipeline_name, "panes", first)
+    before = tables.version(pipeline_name, "panes")
+    tables.append(pipeline_name, "panes", second)
+    upto = tables.version(pipeline_name, "panes")
+    snapshot = snapshot_files(tables, pipeline_name, "panes", upto)
+    added = added_files(tables, pipeline_name, "panes", before, upto)
+    assert len(snapshot) == 2 and len(added) == 1 and added[0].rows == 2
+    assert sorted((f.mins["n"], f.maxs["n"]) for f in snapshot) == [(-70, 5), (2, 40)]
+    assert (added[0].mins["n"], added[0].maxs["n"]) == (2, 40) and "s" not in added[0].maxs
+    assert magnitude(snapshot, "n") == 70 and magnitude(added, "n") == 40 and column_max(snapshot, "n") == 40
+    assert magnitude([f for f in snapshot if f.rows == 3], "x") == 2.5
+    blind = DataFile("s3://b/blind.parquet", {}, 4)  # a file with rows and no statistics
+    assert magnitude([*snapshot, blind], "n") is None and column_max([*snapshot, blind], "n") is None
+    assert magnitude([DataFile("s3://b/empty.parquet", {}, 0)], "n") == 0

@@ -254,8 +254,10 @@ def test_a_stage_s_batches_reach_the_per_key_step_lifted_on_spark(settings, tabl
     """Combiner lifting (``runtime.engines.spark_lift``): a `key: all` stage's batches reach the per-key step of
     the Spark plan as one element per hour they touch (the step is one task: every pane row went through it), the
     first, which reads no stored window, and a later one, which reads the stored hours and adds to them. The
-    elements are made once, by the step's read: counted from the pane rows first (``spark_batch.stage_tally``),
-    never kept. The tables are the local engine's. The upstream's files are listed once per batch."""
+    elements are made once, by the step's read: counted first (``spark_batch.stage_tally``) from the pane files'
+    statistics, so that the upstream's rows are read once (the later batch), or by a job over their columns where
+    the statistics lack the values' bounds (the first); never kept. The tables, the markers' greatest event time
+    included, are the local engine's. The upstream's files are listed once per batch."""
     from millpond.runtime.engines import spark_batch, spark_keys, spark_upstream
     from millpond.runtime.layout import EVENT_COLUMNS
 
@@ -286,6 +288,15 @@ def test_a_stage_s_batches_reach_the_per_key_step_lifted_on_spark(settings, tabl
             into.append((real.__name__, *args[1:]))
             return real(*args)
 
+        reads: list[str] = []
+
+        def reading(spark_, tables_, pipeline, *args, real=spark_upstream.spark_io.read_table, into=reads, **kw):
+            into.append(pipeline)
+            return real(spark_, tables_, pipeline, *args, **kw)
+
+        monkeypatch.setattr(spark_upstream.spark_io, "read_table", reading)
+        if batch == 4:  # files without the values' statistics: one job counts the pane rows' own columns
+            monkeypatch.setattr(spark_upstream, "magnitude", lambda files, column: None, raising=False)
         monkeypatch.setattr(spark_keys, "key_ranges", counted)
         for module in (spark_batch, spark_upstream):  # every frame a batch keeps
             monkeypatch.setattr(module, "keep", keeping)
@@ -297,6 +308,9 @@ def test_a_stage_s_batches_reach_the_per_key_step_lifted_on_spark(settings, tabl
         assert kept and list(EVENT_COLUMNS) not in kept, kept  # the step's output is kept, never the elements
         # sizing, the tally and the read share one listing of the range (each reads the upstream's log)
         assert listed and len(listed) == len(set(listed)), listed
+        # counted by a job (the first batch), the upstream's panes are read twice; from statistics (the second,
+        # whose stored windows are bounded by its elements' times in the frame that reads them), once, for the step
+        assert [r for r in reads if r == up] == [up] * (2 if batch == 4 else 1), reads
         marker = tables.read_arrow(f"{down}_plan", "batches").sort_by("batch").to_pylist()[-1]
         # the hours the consumed panes fall in (an element's event time is its pane's window_start): through
         # upstream batch 4 for the stage's first batch, batch 5's for its second, which reads the stored hours

@@ -31,8 +31,10 @@ class DataFile:
     uri: str
     partition_values: dict[str, Any]
     rows: int | None
-    #: the largest value of each integer column the statistics name
-    maxs: dict[str, int] = field(default_factory=dict)
+    #: the largest value of each numeric column the statistics name
+    maxs: dict[str, int | float] = field(default_factory=dict)
+    #: the least value of each numeric column the statistics name
+    mins: dict[str, int | float] = field(default_factory=dict)
 
     @property
     def location(self) -> tuple[str, dict[str, Any]]:
@@ -49,10 +51,15 @@ def snapshot_files(tables: Tables, pipeline: str, name: str, version: int | None
         return []
     located = data_files(dt)  # fails on the features a file-by-file reader cannot follow
     actions = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
-    return [DataFile(uri, parts, a.get("num_records"),
-                     {k[4:]: v for k, v in a.items() if k.startswith("max.") and isinstance(v, int)
-                      and not isinstance(v, bool)})
+    return [DataFile(uri, parts, a.get("num_records"), _numbers(a, "max."), _numbers(a, "min."))
             for (uri, parts), a in zip(located, actions, strict=True)]
+
+
+def _numbers(stats: dict[str, Any], prefix: str = "") -> dict[str, int | float]:
+    """The numeric statistics of ``stats`` whose names start with ``prefix``, by column (a timestamp, a string or
+    a NaN is not kept: nothing here compares them)."""
+    return {k[len(prefix):]: v for k, v in stats.items() if k.startswith(prefix) and isinstance(v, int | float)
+            and not isinstance(v, bool) and v == v}
 
 
 def added_files(tables: Tables, pipeline: str, name: str, after: int, upto: int) -> list[DataFile]:
@@ -92,9 +99,9 @@ def _commit_actions(tables: Tables, uri: str, version: int) -> list[dict[str, An
 def _added(uri: str, add: dict[str, Any]) -> DataFile:
     path = unquote(add["path"])
     stats = json.loads(add.get("stats") or "{}")
-    maxs = {k: v for k, v in (stats.get("maxValues") or {}).items() if isinstance(v, int) and not isinstance(v, bool)}
     return DataFile(path if "://" in path else f"{uri}/{path}", dict(add.get("partitionValues") or {}),
-                    stats.get("numRecords"), maxs)
+                    stats.get("numRecords"), _numbers(stats.get("maxValues") or {}),
+                    _numbers(stats.get("minValues") or {}))
 
 
 def rows_of(files: list[DataFile]) -> int:
@@ -102,13 +109,22 @@ def rows_of(files: list[DataFile]) -> int:
     return sum(f.rows or 0 for f in files)
 
 
-def column_max(files: list[DataFile], column: str) -> int | None:
-    """The largest value of an integer column over the files (0: no rows); None when a file with rows has no
+def column_max(files: list[DataFile], column: str) -> int | float | None:
+    """The largest value of a numeric column over the files (0: no rows); None when a file with rows has no
     statistic for it (the caller reads it)."""
     known = [f.maxs.get(column) for f in files if f.rows != 0]
     if any(v is None for v in known):
         return None
     return max(known, default=0)
+
+
+def magnitude(files: list[DataFile], column: str) -> int | float | None:
+    """The largest absolute value of a numeric column over the files (0: no rows); None when a file with rows has
+    no statistics for it."""
+    known = [(f.mins.get(column), f.maxs.get(column)) for f in files if f.rows != 0]
+    if any(lo is None or hi is None for lo, hi in known):
+        return None
+    return max((max(abs(lo), abs(hi)) for lo, hi in known), default=0)
 
 
 def time_spans(tables: Tables, pipeline: str, name: str, version: int | None, column: str

@@ -38,6 +38,7 @@ from millpond.model.panes import pane_schema
 from millpond.model.stages import ALL_KEY
 from millpond.model.state import WINDOW_KEY, WINDOWS_SCHEMA
 from millpond.runtime.engines.base import BatchWork
+from millpond.runtime.engines.spark_counts import output_counts
 from millpond.runtime.engines.spark_keep import keep
 from millpond.runtime.engines.spark_keys import per_key_step
 from millpond.runtime.engines.spark_lift import lift_for
@@ -186,12 +187,13 @@ def stored_windows(job: BatchContext, files: StateFiles | None, accepted, clock:
     """The stored windows this batch can change (due timers, or reachable by a new element of its key), with
     times as microseconds: only those rows of the ``windows`` files the batch reads (``files``), read and
     filtered file by file on executors (``lake.spark_ranged.read_touched``); None without any. ``tally``: a
-    one-key stage's elements counted (``stage_tally``), whose range is the key's (the elements are not read for it)."""
+    one-key stage's elements counted (``stage_tally``), whose range is the key's where it was counted (the elements
+    are not read for it: ``Tally.timed``)."""
     from pyspark.sql import functions as F
 
     if files is None or not files.files:
         return None
-    if tally is not None:
+    if tally is not None and tally.timed:
         ranges = tally.ranges(job.spark, ALL_KEY)
     else:
         ranges = accepted.groupBy("key").agg(F.min("event_time").alias("lo"), F.max("event_time").alias("hi"))
@@ -225,34 +227,28 @@ def key_tasks(job: BatchContext, partitions: int) -> int:
 
 def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes, versions: dict[str, Any],
                   seen, partitions: int, keep_from: int | None, quarantined: int,
-                  accepted_rows: int, stored_files: StateFiles | None = None) -> dict[str, int]:
-    """Every output table's files from the executors in one Spark job, each table one commit; counts for the
-    marker. ``values``: the batch's (``spark_values``: ``_batch``, ``_keep_from``); ``panes``: a validated batch's
-    numbered panes (``panes_frame``), or None (numbered here from the counts the writes take); ``stored_files``: the
-    ``windows`` files the batch read at ``versions["windows"]`` (None without one, ``spark_state``);
-    ``seen``: the ``seen_ids`` table at
-    ``versions["seen_ids"]`` (None without one); ``keep_from``: as ``steps.dedup.seen_keep_from``;
-    ``quarantined``: ``bad``'s rows (none: no quarantine write, whose tasks would only scan the landing rows for
-    nothing); ``accepted_rows``: ``accepted``'s (none: no ``seen_ids`` write, not even its fold, as on the local
-    engine, ``steps.commit.commit_inputs``: a quiet batch that expired ids here left them on the other engines,
-    and an old id re-delivered after it was a late row here and a duplicate there)."""
+                  accepted_rows: int, stored_files: StateFiles | None = None) -> dict[str, int | None]:
+    """Every output table's files from the executors in one Spark job, each table one commit; counts for the marker,
+    and ``max_event_time``: the per-key step's elements' greatest event time (None: none). ``values``: the batch's
+    (``spark_values``: ``_batch``, ``_keep_from``); ``panes``: a validated batch's numbered panes (``panes_frame``),
+    or None (numbered here from the counts the writes take); ``stored_files``: the ``windows`` files the batch read
+    at ``versions["windows"]`` (None without one, ``spark_state``); ``seen``: the ``seen_ids`` table at
+    ``versions["seen_ids"]`` (None without one); ``keep_from``: as ``steps.dedup.seen_keep_from``; ``quarantined``:
+    ``bad``'s rows (none: no quarantine write, whose tasks would only scan the landing rows for nothing);
+    ``accepted_rows``: ``accepted``'s (none: no ``seen_ids`` write, not even its fold, as on the local engine,
+    ``steps.commit.commit_inputs``: a quiet batch that expired ids here left them on the other engines, and an old
+    id re-delivered after it was a late row here and a duplicate there)."""
     from pyspark.sql import functions as F
 
     batch = batch_column()
-    # one job for every count the writes need: rows per table and kind, the (day, hour) partitions of
-    # ``window_end`` the current rows touch, and each of the step's tasks' panes (``read`` rows: ``panes_frame``)
-    is_current, is_read = F.col("tbl") == "current", F.col("tbl") == "read"
-    groups = out.groupBy("tbl", "kind", F.when(is_current, F.to_date(F.timestamp_micros("window_end"))).alias("d"),
-                         F.when(is_current, F.hour(F.timestamp_micros("window_end"))).alias("h"),
-                         F.when(is_read, F.col("part")).alias("p")
-                         ).agg(F.sum(F.when(is_read, F.col("pane_index")).otherwise(1)).alias("n"),
-                               F.sum(F.when(is_read, F.col("seq"))).alias("m")).collect()
+    groups = output_counts(out)
     if panes is None:  # numbered from the counts just taken: no job of its own
         panes = panes_frame(out, values, task_offsets({r["p"]: r["m"] for r in groups if r["tbl"] == "read"}))
     tally: dict[str, int] = {}
     for r in groups:
         tally[r["tbl"] + ":" + (r["kind"] or "")] = tally.get(r["tbl"] + ":" + (r["kind"] or ""), 0) + r["n"]
     touched = {(r["d"].isoformat(), str(r["h"])) for r in groups if r["tbl"] == "current"}
+    last = max((r["e"] for r in groups if r["tbl"] == "read" and r["e"] is not None), default=None)
     state_changes = sum(r["n"] for r in groups if r["tbl"] == "state")
     state_read = sum(r["n"] for r in groups if r["tbl"] == "read")
     pane_type, value_type = job.spec.pane_value_type, job.spec.value_type
@@ -281,7 +277,7 @@ def write_outputs(job: BatchContext, txn: Txn, values, bad, accepted, out, panes
     for table, _w, commit in writes:
         job.commits.step(table, functools.partial(commit, written.get(table, [])))
     return {"late": tally.get("late:", 0), "panes": tally.get("panes:value", 0),
-            "retractions": tally.get("panes:retraction", 0), "state_rows_read": state_read}
+            "retractions": tally.get("panes:retraction", 0), "state_rows_read": state_read, "max_event_time": last}
 
 
 def task_offsets(panes: dict[int, int]) -> list[tuple[int, int]]:
@@ -501,6 +497,9 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], inputs:
     job.commits.defer()
     outputs = write_outputs(job, txn, values, bad, accepted, out, panes, the_plan["versions"], seen,
                             partitions, keep_from, counts["quarantined"], counts["accepted"], stored_files)
+    last = outputs.pop("max_event_time")  # the per-key step's tasks' greatest event time
+    if tally is not None and not tally.timed and last is not None:  # counted from statistics, without times
+        max_et = max(last, max_et if max_et is not None else last)
     counts = {"files": len(the_plan["files"]), **counts, "late": 0, "panes": 0, "retractions": 0, **outputs}
     # a warm server keeps cached frames until told (``accepted`` is a projection of the kept ``parsed``; with a
     # tally nothing kept them: each unpersist is a round trip)

@@ -17,7 +17,7 @@ from millpond.lake.schemas import value_arrow_type
 from millpond.lake.spark_io import map_arrow
 from millpond.model.clock import BatchClock
 from millpond.runtime.assembly import Assembly, key_rows, strategy_of
-from millpond.runtime.engines.spark_lift import Lift, lifted
+from millpond.runtime.engines.spark_lift import LAST_EVENT, Lift, lifted
 from millpond.runtime.layout import EVENT_COLUMNS, KEY_COST, NEW_KEY_COST, STATE_ROW_COST, WEIGHT, KeyLayout
 
 
@@ -55,9 +55,12 @@ def _tagged(tag: str, table: pa.Table, schema: pa.Schema, rename: dict[str, str]
 def run_partition(spec_json: str, clock: BatchClock, value_type: str, pane_type: str, discarding: bool,
                   columnar: bool, table: pa.Table, part: int = 0) -> pa.Table:
     """One partition's keys through the per-key step; every output row, tagged with ``part`` (the partition's
-    number). Its ``read`` row holds the stored windows it read (``pane_index``) and the panes it emitted
-    (``seq``), numbered 1.. by key then emission order."""
+    number). Its ``read`` row holds the stored windows it read (``pane_index``), the panes it emitted
+    (``seq``), numbered 1.. by key then emission order, and its elements' greatest event time (``event_time``;
+    a lifted element's own, ``LAST_EVENT``)."""
     is_state = table.column("state").is_valid()
+    times = table.column(LAST_EVENT if LAST_EVENT in table.column_names else "event_time").filter(
+        pc.invert(is_state))
     events = table.filter(pc.invert(is_state)).select(
         list(EVENT_COLUMNS) + ([WEIGHT] if WEIGHT in table.column_names else []))
     state = table.filter(is_state).select(["key", "window_start", "window_end", "state"])
@@ -73,7 +76,8 @@ def run_partition(spec_json: str, clock: BatchClock, value_type: str, pane_type:
     sink.finish()
     schema = key_output_schema(value_type, pane_type)
     read = pa.table({"tbl": ["read"], "pane_index": pa.array([state.num_rows], pa.int64()),
-                     "seq": pa.array([sink.panes.num_rows], pa.int64())})
+                     "seq": pa.array([sink.panes.num_rows], pa.int64()),
+                     "event_time": pa.array([pc.max(times).as_py()], pa.int64())})
     return pa.concat_tables([
         _tagged("read", read, schema, {}, part),
         _tagged("panes", sink.panes, schema, {"value": "pane_value"}, part),
@@ -85,18 +89,18 @@ def run_partition(spec_json: str, clock: BatchClock, value_type: str, pane_type:
 def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type: str, pane_type: str,
                  discarding: bool, columnar: bool, partitions: int, rows: int, most: int | None = None,
                  lift: Lift | None = None):
-    """A DataFrame of the tagged output rows of every key of the batch, computed on executors in
-    ``partitions`` to ``most`` tasks over ranges of keys (``part``: the range, in key order; ``key_ranges``); a
-    ``read`` row per range holds the number of stored windows it read (``pane_index``) and of panes it emitted
-    (``seq``). ``rows``: about how many elements the batch has (it sizes the sample that sets the ranges).
-    ``lift``: the elements' windows combined first (``spark_lift``), or None."""
+    """A DataFrame of the tagged output rows of every key of the batch, computed on executors in ``partitions`` to
+    ``most`` tasks over ranges of keys (``part``: the range, in key order; ``key_ranges``); a ``read`` row per range
+    holds the number of stored windows it read (``pane_index``) and of panes it emitted (``seq``), and its elements'
+    greatest event time (``event_time``). ``rows``: about how many elements the batch has (it sizes the sample that
+    sets the ranges). ``lift``: the elements' windows combined first (``spark_lift``), or None."""
     from pyspark.sql import functions as F
 
     vtype = "bigint" if value_type == "int" else "double"
     events = accepted.select("id", "key", F.col("value").cast(vtype).alias("value"), "event_time", "arrival_time")
-    elements = [*EVENT_COLUMNS, *([WEIGHT] if lift is not None else [])]
+    elements = [*EVENT_COLUMNS, *([WEIGHT, LAST_EVENT] if lift is not None else [])]
     if lift is not None:
-        events = lifted(events, lift, state, EVENT_COLUMNS)
+        events = lifted(events, lift, state, [*EVENT_COLUMNS, LAST_EVENT])
     events = events.select(*elements, F.lit(None).cast("bigint").alias("window_start"),
                            F.lit(None).cast("bigint").alias("window_end"), F.lit(None).cast("string").alias("state"))
     combined = events

@@ -29,6 +29,9 @@ SAFE_SUM = 2.0**61
 _INT64_MIN = -(2**63)
 #: a lifted element's id is this and its window's start (us)
 LIFTED_ID = "lifted|"
+#: a lifted element's elements' greatest event time (``lifted``, where asked for in ``columns``): a batch whose
+#: elements were counted without their times takes its own from the per-key step's tasks (``spark_keys``)
+LAST_EVENT = "_last_event_time"
 
 
 def lifted_id(start: int) -> str:
@@ -67,7 +70,7 @@ def lifted(events, lift: Lift, state=None, columns: Sequence[str] | None = None)
     reaching the end of time, the input watermark there too. ``state``: the stored windows the batch read
     (``key``, ``window_start`` in us, ``state`` JSON; a few under ``key: all``), or None: one that is closed, or
     whose sum is too large to bound, takes its elements one by one. ``columns``: ``events``' (else asked of the
-    server)."""
+    server), and ``LAST_EVENT`` if asked for."""
     from pyspark.sql import functions as F
 
     et = F.col("event_time")
@@ -94,7 +97,8 @@ def lifted(events, lift: Lift, state=None, columns: Sequence[str] | None = None)
     alone = F.when(F.col("_apart"), F.col("id"))
     combined = marked.groupBy("key", start.alias("_w"), alone.alias("_id")).agg(
         agg("value").alias("value"), F.min("event_time").alias("event_time"),
-        F.min("arrival_time").alias("arrival_time"), F.count(F.lit(1)).alias(WEIGHT))
+        F.min("arrival_time").alias("arrival_time"), F.count(F.lit(1)).alias(WEIGHT),
+        F.max("event_time").alias(LAST_EVENT))
     ident = F.when(F.col("_id").isNull(), F.concat(F.lit(LIFTED_ID), F.col("_w").cast("string"))).otherwise(
         F.col("_id"))
     columns = list(columns or events.columns)

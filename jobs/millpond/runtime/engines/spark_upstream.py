@@ -10,8 +10,9 @@ content of version ``from`` (consumed) and ``to`` (``steps.upstream.changed_pane
 - across a rewind: both versions' rows above the last batch both still hold (files whose ``batch`` statistic is
   at most that batch are not read), compared on executors by a null-safe anti-join both ways.
 
-A one-key stage's batch counts its elements first from the pane rows' own columns (``stage_tally``), so that only
-the per-key step's read makes them; other batches make, keep and count them first (``stage_elements``).
+A one-key stage's batch counts its elements first from the pane files' statistics, else the pane rows' own
+columns (``stage_tally``), so that only the per-key step's read makes them; other batches make, keep and count
+them first (``stage_elements``).
 
 Why not collect and reuse the local code: a stage over a large upstream would hold every pane row in the batch's
 process. Here the client reads only log entries and file statistics; rows stay on executors.
@@ -24,7 +25,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from millpond.lake import spark_io
-from millpond.lake.delta_files import DataFile, added_files, column_max, rows_of, snapshot_files
+from millpond.lake.delta_files import DataFile, added_files, column_max, magnitude, rows_of, snapshot_files
 from millpond.model.panes import pane_schema
 from millpond.model.stages import ALL_KEY
 from millpond.runtime.engines.spark_keep import keep
@@ -74,12 +75,15 @@ def stage_input(job: BatchContext, plan: dict[str, Any], partitions: int):
 
 class Tally(NamedTuple):
     """What a batch knows of its elements before its per-key step: how many, their least and greatest event time
-    (None: none), and a bound of their values' magnitude (``spark_lift``)."""
+    (None: none, or not known: ``timed`` false), and a bound of their values' magnitude (``spark_lift``).
+    ``timed``: the event times were counted; else the per-key step's tasks give the greatest (``spark_keys``'s
+    ``read`` rows) and the stored windows' read finds the least itself."""
 
     rows: int
     lo: int | None
     hi: int | None
     big: float | None
+    timed: bool = True
 
     def ranges(self, spark, key: str):
         """The elements' event-time range, as one key's (``spark_batch.stored_windows``): a frame of one row."""
@@ -88,30 +92,35 @@ class Tally(NamedTuple):
 
 
 def plain_tally(job: BatchContext, plan: dict[str, Any], partitions: int) -> Tally | None:
-    """The planned elements' ``Tally`` from the pane rows themselves, in one job that reads only their window
-    bounds and values: no window over them, no element made, nothing kept, so that the per-key step then reads
-    them once, the only pass that makes elements. None where a range crosses a rewind (its elements are rows of an
-    anti-join, which only making them counts). An element is one pane row (``pane_elements``): its event time is
-    the row's window start or end less 1 us; its value a pane's value less its window's previous one, or either
-    negated, so at most twice the largest pane value's magnitude."""
+    """The planned elements' ``Tally`` from the pane rows' files, without making an element: by their statistics
+    where every file has a row count and its values' bounds (no job at all: an element is one pane row, and the
+    event times come later, ``Tally.timed``), else in one job that reads only their window bounds and values.
+    Either way the per-key step then reads them once, the only pass that makes elements. None where a range
+    crosses a rewind (its elements are rows of an anti-join, which only making them counts). An element's event
+    time is its row's window start or end less 1 us; its value a pane's value less its window's previous one, or
+    either negated, so at most twice the largest pane value's magnitude."""
     from pyspark.sql import functions as F
 
     up = job.spec.upstream
-    frames = []
+    listed = []
     for name, rng in (plan["versions"].get("upstreams") or {}).items():
         if rng["from"] == rng["to"]:
             continue
         plain = plain_files(job, name, rng["from"], rng["to"])
         if plain is None:
             return None
-        version, files = plain
-        if files:
-            frames.append(spark_io.read_table(job.spark, job.tables, name, "panes", version,
-                                              only=[f.location for f in files], tasks=partitions,
-                                              columns=["window_start", "window_end", "value"]))
-    if not frames:
+        if plain[1]:
+            listed.append((name, *plain))
+    every = [f for _n, _v, files in listed for f in files]
+    if not every:
         return Tally(0, None, None, None)
-    rows = functools.reduce(lambda a, b: a.unionByName(b), frames)
+    big = magnitude(every, "value")
+    if big is not None and all(f.rows is not None for f in every):
+        return Tally(rows_of(every), None, None, 2 * big, timed=False)
+    rows = functools.reduce(lambda a, b: a.unionByName(b), (
+        spark_io.read_table(job.spark, job.tables, name, "panes", version, only=[f.location for f in files],
+                            tasks=partitions, columns=["window_start", "window_end", "value"])
+        for name, version, files in listed))
     start, end = F.unix_micros("window_start"), F.unix_micros("window_end")
     event_time = start if up.event_time == "window_start" else end - F.lit(1)
     got = rows.agg(F.count(F.lit(1)).alias("n"), F.min(event_time).alias("lo"), F.max(event_time).alias("hi"),
@@ -307,7 +316,7 @@ def stage_elements(spark, rows, tally: Tally | None = None):
     from pyspark.sql import functions as F
 
     accepted = rows.select("id", "key", "value", "event_time", "arrival_time")
-    if tally is not None:
+    if tally is not None:  # its greatest event time may come from the per-key step (``Tally.timed``)
         counts = {"input": tally.rows, "accepted": tally.rows, "duplicates": 0, "quarantined": 0}
         return rows.where(F.lit(False)), accepted, counts, tally.hi, accepted, tally.big
     accepted = keep(spark, accepted)
@@ -318,9 +327,10 @@ def stage_elements(spark, rows, tally: Tally | None = None):
 
 
 def stage_tally(job: BatchContext, the_plan: dict[str, Any], partitions: int) -> Tally | None:
-    """A one-key stage's elements counted from its upstream pane rows (``plain_tally``), so that
+    """A one-key stage's elements counted from its upstream pane files (``plain_tally``), so that
     they are made once, by the per-key step's read, and never kept: where nothing else reads them (no validation
-    of the batch's input, no percentile watermark; the stored windows it reads found by the tally's range), and
+    of the batch's input, no percentile watermark; the stored windows it reads bounded by the tally's times, or
+    by the elements' in the frame that reads them), and
     only one task runs the step (a key range sample would read them again). None: made, kept and counted first
     (``stage_elements``)."""
     if job.spec.upstream.key == "keep" or job.validate or job.spec.watermark_policy.kind == "percentile":
