@@ -8,8 +8,9 @@ a Connect session.
 ``REQ`` (JSON): ``url`` (sc://...), ``mode`` ("batches" or "bare"), and for "batches" ``pipelines`` (pipeline
 documents) and ``steps`` ([pipeline index, processing time us, watermark us or null], run in order),
 ``validate``, ``render_docs`` (default true; false as the DAG's task runs a batch: its pages are rendered by
-the publish after the commit), ``preload`` (import the libraries Airflow's scheduler preloads for its forked tasks,
-``orchestration.airflow_preload``, before the clock: a DAG task's process has them); for "bare" ``kind``,
+the publish after the commit), ``preload`` (import the libraries Airflow's scheduler preloads for its forked tasks
+and load boto3's S3 model, ``orchestration.airflow_preload.preload_task_libraries``, before the clock: a DAG task's
+process has them); for "bare" ``kind``,
 ``prefix``, ``batch`` (null: every landing file) and ``runs``; for "bare_exec" (the executors read a local copy)
 ``src``, ``out``, ``kind``, ``runs``; for "structured_streaming" ``src``, ``staged``, ``checkpoint``, ``uri``,
 ``storage_options`` and ``batches`` (the staged file names of each micro-batch); "trivial" runs
@@ -34,10 +35,10 @@ from typing import Any  # noqa: E402
 def run(req: dict[str, Any]) -> dict[str, Any]:
     preload_s = 0.0
     if req.get("preload"):
-        from millpond.orchestration.airflow_preload import preload
+        from millpond.orchestration.airflow_preload import preload_task_libraries
 
         t = time.perf_counter()
-        preload()
+        preload_task_libraries()
         preload_s = round(time.perf_counter() - t, 4)
     from millpond.config import load_settings
 

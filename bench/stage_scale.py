@@ -60,7 +60,8 @@ class StageScaleMeasures:
                  "accumulation": "accumulating", "aggregation": "sum", "allowed_lateness": "1d",
                  "batch_interval": "5m"}
         at = wl.spec.start_us + (wl.spec.batches + 2) * wl.spec.interval_us
-        res = self.client({"mode": "batches", "pipelines": [stage], "steps": [[0, at, MAX_TS]]})
+        # preloaded as a DAG task's process is (``orchestration.airflow_preload``): a stage's batch runs as one
+        res = self.client({"mode": "batches", "pipelines": [stage], "steps": [[0, at, MAX_TS]], "preload": True})
         b = res["batches"][0]
         return {"upstream": up["pipeline"], "stage": stage["name"], "seconds": b["seconds"], "phases": b["phases"],
                 "counts": b["counts"], "peak_rss_gib": res["peak_rss_gib"], "path": b["path"]}

@@ -82,6 +82,25 @@ def test_forked_tasks_inherit_boto3s_s3_model(settings: Settings) -> None:
     assert proc.stdout.strip() == "child 0", proc.stdout + proc.stderr[-2000:]
 
 
+def test_what_the_scheduler_preloads_is_one_function_the_bench_shares() -> None:
+    """``preload_task_libraries`` (the scheduler's, and the bench's clients that stand for a DAG task) imports the
+    task's libraries and leaves boto3's S3 model loaded: a measured task starts as a forked one does (the bench's
+    preload imported the libraries only, and its first lease client parsed the model inside the batch: 0.1-0.3 s of a
+    stage batch, measured side by side)."""
+    script = textwrap.dedent("""
+        import sys, boto3
+        from millpond.orchestration.airflow_preload import PRELOAD, preload_task_libraries
+        assert preload_task_libraries() == []
+        assert all(name in sys.modules for name in PRELOAD)
+        loader = boto3.DEFAULT_SESSION._session.get_component("data_loader")
+        print(any("s3" in str(key) for key in loader._cache))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "True", proc.stdout + proc.stderr[-2000:]
+
+
 def test_the_pandas_context_loads_in_the_background(tmp_path: Path, settings: Settings) -> None:
     """``warm_context(settings, PANDAS)`` (what the one-task form calls before its Spark job) leaves the context
     cached for the batch's validation, which then loads nothing itself."""

@@ -31,13 +31,21 @@ def preload(modules: tuple[str, ...] = PRELOAD) -> list[str]:
     return failed
 
 
-def main() -> None:
-    from airflow.__main__ import main as airflow_main
-
+def preload_task_libraries() -> list[str]:
+    """What the scheduler holds before its executor forks a task's process: :data:`PRELOAD` imported and boto3's S3
+    model loaded. The bench's clients that stand for a DAG task (``bench.connect_client``'s ``preload``) call this
+    too, so a measured task starts as the product's does. Returns the modules that failed to import."""
     failed = preload()
     from millpond.lake import s3_model  # imports nothing of Millpond's: see its docstring
 
     s3_model.warm()
+    return failed
+
+
+def main() -> None:
+    from airflow.__main__ import main as airflow_main
+
+    failed = preload_task_libraries()
     if failed:
         print(f"millpond: not preloaded (tasks import them): {', '.join(failed)}", file=sys.stderr, flush=True)
     sys.argv = ["airflow", *sys.argv[1:]]
