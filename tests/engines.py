@@ -261,3 +261,33 @@ def asked_columns(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(DataFrame, "_map_partitions", recording)
     return asked
+
+
+
+def server_asks(monkeypatch) -> list[str]:
+    """The settings and analyses this process's Connect clients ask the server for on the batch's own threads
+    (each a round trip: 10-40 ms on a warm server, more under load), as they happen: ``config:<op>`` for a setting
+    read or written, ``analyze:<method>`` for a schema, a DDL text parsed or a kept frame released. The watchdog's
+    probes (``spark_watchdog``, a thread of their own that no job waits on) are left out. The list returned fills."""
+    import threading
+
+    from pyspark.sql.connect.client.core import SparkConnectClient
+
+    asked: list[str] = []
+    config, analyze = SparkConnectClient.config, SparkConnectClient._analyze
+
+    def record(what: str) -> None:
+        if threading.current_thread().name != "spark-probe":
+            asked.append(what)
+
+    def configuring(self, operation):
+        record(f"config:{operation.WhichOneof('op_type')}")
+        return config(self, operation)
+
+    def analyzing(self, method, **kwargs):
+        record(f"analyze:{method}")
+        return analyze(self, method, **kwargs)
+
+    monkeypatch.setattr(SparkConnectClient, "config", configuring)
+    monkeypatch.setattr(SparkConnectClient, "_analyze", analyzing)
+    return asked

@@ -13,7 +13,7 @@ import sys
 import urllib.request
 
 import pytest
-from engines import asked_columns
+from engines import asked_columns, server_asks
 from millpond.lake.objectstore import ObjectStore
 from millpond.orchestration.processes import free_port
 from millpond.orchestration.spark_server import SparkConnectServer
@@ -185,18 +185,14 @@ def test_a_few_changed_windows_are_written_by_one_task(spark) -> None:
     assert ranges(3 * FILE_ROWS, 1) == 3  # a range a file, whatever the width
 
 
-def test_no_read_step_or_write_asks_the_server_for_its_input_s_columns(settings, tables, spark, pipeline_name,
-                                                                       monkeypatch) -> None:
-    """A Connect client's ``mapInArrow`` first asks the server for its input's columns unless it knows them: a
-    round trip in which the server analyses the input's whole plan (15-60 ms, and a batch has one per read, per-key
-    step and table written). The engine names them (``lake.spark_io.map_arrow``): two batches of a pipeline, the
-    second reading stored windows and ids, on the multi-stage plan and as one task, ask for none."""
+def two_batches_each_way(settings, pipeline_name: str):
+    """(strategy, batch, settings, spec, at) for two 40-event batches of a sessions pipeline on the multi-stage
+    plan and two as one task, each batch's file landed before it is yielded (the second reads stored windows and
+    ids)."""
     from millpond.lake.landing import arrival_tag
     from millpond.model.spec import pipeline_from_dict
-    from millpond.model.timeutil import US, iso, to_datetime, to_us
-    from millpond.runtime.job import run_batch
+    from millpond.model.timeutil import US, iso, to_us
 
-    asked = asked_columns(monkeypatch)
     store = ObjectStore(settings)
     t0 = to_us("2026-03-01T12:00:00Z")
     for strategy in ("plan", "one_task"):
@@ -210,10 +206,92 @@ def test_no_read_step_or_write_asks_the_server_for_its_input_s_columns(settings,
                                        "event_time": iso(at - (i + 1) * 7 * US)}) + "\n" for i in range(40))
             store.put_bytes(settings.bucket_landing, f"{name}/{arrival_tag(at - 30 * US)}-{batch}.jsonl",
                             body.encode())
-            result = run_batch(chosen, spec, to_datetime(at), spark=spark)
-            assert result.counts["accepted"] == 40 and result.engine.startswith("spark/"), result
-        assert tables.read_arrow(name, "panes").num_rows > 0
+            yield strategy, batch, chosen, spec, at
+
+
+def test_no_read_step_or_write_asks_the_server_for_its_input_s_columns(settings, tables, spark, pipeline_name,
+                                                                       monkeypatch) -> None:
+    """A Connect client's ``mapInArrow`` first asks the server for its input's columns unless it knows them: a
+    round trip in which the server analyses the input's whole plan (15-60 ms, and a batch has one per read, per-key
+    step and table written). The engine names them (``lake.spark_io.map_arrow``): two batches of a pipeline, the
+    second reading stored windows and ids, on the multi-stage plan and as one task, ask for none."""
+    from millpond.model.timeutil import to_datetime
+    from millpond.runtime.job import run_batch
+
+    asked = asked_columns(monkeypatch)
+    names = set()
+    for _strategy, _batch, chosen, spec, at in two_batches_each_way(settings, pipeline_name):
+        result = run_batch(chosen, spec, to_datetime(at), spark=spark)
+        assert result.counts["accepted"] == 40 and result.engine.startswith("spark/"), result
+        names.add(spec.name)
+    assert len(names) == 2 and all(tables.read_arrow(name, "panes").num_rows > 0 for name in names)
     assert asked == [], asked
+
+
+def test_a_batch_asks_the_server_only_what_it_does_not_know(settings, spark_connect, spark, pipeline_name,
+                                                            monkeypatch) -> None:
+    """Every setting a Connect client reads or writes, and every analysis it asks for, is a round trip (10-40 ms on
+    a warm server, several times that under load) before the batch's next job can start. A DAG task's batch, in a
+    fresh session: the first and a later batch (which reads stored windows and ids) of a pipeline, on the
+    multi-stage plan and as one task. The width is read once and set only where it changes; no frame of the
+    batch's own values or ranges, no collected row and no kept frame asks for a setting (Spark's master, read as
+    the session connects, the time zone, how binary comes back), and no schema is parsed on the server. Left:
+    the width's, pyspark's own once-a-client lookups, and one release per kept frame (those at the end at once).
+    Before, the plan's first and later batch asked 15 and 17 times besides their jobs (12 settings each), one task
+    twice; since, 7 and 8 (5 and 4 settings).
+
+    Each batch's session is not the process's first (``spark``, this process's active session): pyspark bound a
+    kept frame to that one, and the batch failed on its next job (``spark_keep._ours``)."""
+    from millpond.model.timeutil import to_datetime
+    from millpond.runtime.engines import spark_client
+    from millpond.runtime.job import run_batch
+
+    asks: dict[tuple[str, int], list[str]] = {}
+    url = settings.with_overrides(spark_connect=spark_connect.url)
+    for strategy, batch, chosen, spec, at in two_batches_each_way(url, pipeline_name):
+        monkeypatch.setattr(spark_client, "_SESSIONS", {})  # a task's process: a session of its own
+        session = spark_client.connect(chosen)
+        try:
+            asked = server_asks(monkeypatch)
+            result = run_batch(chosen, spec, to_datetime(at), spark=session)
+            monkeypatch.undo()
+        finally:
+            session.stop()
+        assert result.counts["accepted"] == 40 and result.engine.startswith("spark/"), result
+        asks[(strategy, batch)] = asked
+    for (strategy, batch), asked in asks.items():
+        settings_asked = [a for a in asked if a.startswith("config:")]
+        # the plan: the width read, set for the batch and put back, and at most two of pyspark's once-a-client
+        # lookups (how big a plan it compresses, whether it records call sites); one task: the latter only
+        assert len(settings_asked) <= (5 if strategy == "plan" else 2), (strategy, batch, asked)
+        assert "analyze:ddl_parse" not in asked and "analyze:schema" not in asked, (strategy, batch, asked)
+    assert sum(a.startswith("config:") for a in asks[("one_task", 2)]) <= 1, asks
+
+
+def test_local_frames_and_collected_rows_are_spark_s_own(spark) -> None:
+    """``lake.spark_frames``: a frame of local rows built without the settings' round trip holds what
+    ``createDataFrame`` makes of the same rows, nulls included (and a frame of other types, or too big, is
+    ``createDataFrame``'s); collected rows are ``collect``'s, as dicts."""
+    import datetime as dt
+
+    from millpond.lake import spark_frames
+    from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType, TimestampType
+
+    schema = StructType([StructField("k", StringType()), StructField("n", LongType()),
+                         StructField("p", IntegerType(), False)])
+    rows = [("a", 1, 0), (None, None, 1), ("\u00e9", 2**40, -3)]
+    frame = spark_frames.local_frame(spark, rows, schema)
+    assert frame.schema == spark.createDataFrame(rows, schema).schema == schema
+    assert spark_frames.collected(frame.orderBy("p")) == [r.asDict() for r in
+                                                          spark.createDataFrame(rows, schema).orderBy("p").collect()]
+    assert spark_frames.collected(spark_frames.local_frame(spark, [], schema)) == []
+    timed = StructType([StructField("t", TimestampType())])
+    at = dt.datetime(2026, 3, 1, 12, tzinfo=dt.UTC)
+    assert spark_frames.local_frame(spark, [(at,)], timed).collect() == spark.createDataFrame([(at,)], timed).collect()
+    many = [(str(i) * 40, i, i) for i in range(10_000)]  # above LOCAL_BYTES: the public call
+    assert spark_frames.local_frame(spark, many, schema).count() == len(many)
+    counts = spark_frames.collected(frame.groupBy().agg({"n": "sum", "p": "max"}))
+    assert counts == [{"sum(n)": 1 + 2**40, "max(p)": 1}]
 
 
 def test_a_batch_s_landing_files_are_parsed_in_tasks_by_its_rows(settings, tables, spark, pipeline_name,

@@ -36,6 +36,7 @@ import pyarrow as pa
 
 from millpond.config import Settings
 from millpond.lake.snapshot_files import Storage, data_files, read_file, table_schema
+from millpond.lake.spark_frames import collected
 
 #: the rows a write returns: the table it wrote and one file's add action (JSON)
 WRITTEN = pa.schema([("tbl", pa.string()), ("action", pa.string())])
@@ -206,7 +207,7 @@ def collect_writes(writes: list[Any]) -> dict[str, list[dict[str, Any]]]:
     """Every write in one Spark job; each table's add actions (only the file list comes to the client)."""
     if not writes:
         return {}
-    rows = functools.reduce(lambda a, b: a.unionByName(b), writes).collect()
+    rows = collected(functools.reduce(lambda a, b: a.unionByName(b), writes))
     out: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         out.setdefault(r["tbl"], []).append(json.loads(r["action"]))

@@ -34,6 +34,7 @@ import pyarrow.compute as pc
 
 from millpond.config import Settings
 from millpond.lake.snapshot_files import Storage, read_file
+from millpond.lake.spark_frames import local_frame
 from millpond.lake.spark_io import WRITTEN, map_arrow, spark_schema, write_table
 
 #: the tag columns ``tag_task`` adds to a changed row: the file it concerns and whether it is the row's home
@@ -100,7 +101,7 @@ def read_touched(spark, ranges, files: Sequence[RangedFile], always: Collection[
     # a row per file read whatever the keys, so that a file read for its timers alone is read too
     probe_schema = StructType([StructField("key", StringType()), StructField("lo", LongType()),
                                StructField("hi", LongType()), StructField("_f", IntegerType(), False)])
-    probes = spark.createDataFrame([(None, None, None, f) for f in sorted(always)], probe_schema)
+    probes = local_frame(spark, [(None, None, None, f) for f in sorted(always)], probe_schema)
     task = functools.partial(read_task, Storage.of(settings), list(files), schema, watermark, processing_time, reach)
     return map_arrow(tagged.unionByName(probes).repartition(max(1, min(tasks, len(files))), F.col("_f")), task,
                      spark_schema(STORED), KEY_TAGS.names)

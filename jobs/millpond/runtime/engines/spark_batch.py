@@ -32,6 +32,7 @@ from millpond.lake.schemas import (
     current_file_schema,
     late_schema,
 )
+from millpond.lake.spark_frames import collected, local_frame
 from millpond.lake.tables import Txn
 from millpond.model.clock import BatchClock
 from millpond.model.panes import pane_schema
@@ -39,13 +40,14 @@ from millpond.model.stages import ALL_KEY
 from millpond.model.state import WINDOW_KEY, WINDOWS_SCHEMA
 from millpond.runtime.engines.base import BatchWork
 from millpond.runtime.engines.spark_counts import output_counts
-from millpond.runtime.engines.spark_keep import keep
+from millpond.runtime.engines.spark_keep import keep, release
 from millpond.runtime.engines.spark_keys import per_key_step
 from millpond.runtime.engines.spark_lift import lift_for
 from millpond.runtime.engines.spark_state import FILE_ROWS, StateFiles, ranged, state_files
 from millpond.runtime.engines.spark_upstream import Tally, stage_tally
 from millpond.runtime.engines.spark_values import batch_values, with_values
 from millpond.runtime.engines.spark_watchdog import watched
+from millpond.runtime.engines.spark_width import ShuffleWidth
 from millpond.runtime.steps.dedup import by_id, seen_keep_from
 from millpond.runtime.steps.read import held_rows
 from millpond.runtime.steps.validate import first_retracted
@@ -118,11 +120,11 @@ def read_and_dedup(job: BatchContext, the_plan: dict[str, Any], processing_time:
     fresh = F.col("reason").isNull() & F.col("_seen").isNull()
     accepted = marked.where(fresh).select("id", "key", "value", "event_time", "arrival_time")
     # every tally in one Spark job, the one that fills ``marked`` (each action costs a job's round trip)
-    tally = marked.agg(
+    tally = collected(marked.agg(
         F.count("reason").alias("bad"),
         F.coalesce(F.sum(F.when(F.col("reason").isNull(), F.col("_c"))), F.lit(0)).alias("good"),
         F.count(F.when(fresh, F.lit(1))).alias("n"), F.max(F.when(fresh, F.col("event_time"))).alias("max_et"),
-    ).collect()[0]
+    ))[0]
     if held is not None:  # ``marked`` holds its rows now
         held.unpersist()
     held = held_rows(the_plan)
@@ -299,9 +301,11 @@ def panes_frame(out, values, offsets: list[tuple[int, int]] | None = None):
     ``write_outputs``): one small local row per task, where summing them on executors takes jobs of their own
     before the write's."""
     from pyspark.sql import functions as F
+    from pyspark.sql.types import IntegerType, LongType, StructField, StructType
 
     if offsets is not None:
-        offsets = out.sparkSession.createDataFrame(offsets, "_p int, _off bigint")
+        offsets = local_frame(out.sparkSession, offsets, StructType([StructField("_p", IntegerType()),
+                                                                     StructField("_off", LongType())]))
     else:
         counts = out.where("tbl = 'read'").select(F.col("part").alias("_p"), F.col("seq").alias("_n"))
         before = counts.select(F.col("_p").alias("_q"), F.col("_n").alias("_m"))
@@ -425,12 +429,13 @@ def _rewrite_current(job: BatchContext, txn: Txn, values, out, parts: set[tuple[
                                                         partition_by=CURRENT_PARTITIONS, removes=removes)
 
 
-def step_partitions(job: BatchContext, read: int, accepted: int, files: StateFiles | None) -> int:
+def step_partitions(job: BatchContext, width: ShuffleWidth, read: int, accepted: int,
+                    files: StateFiles | None) -> int:
     """The per-key step's and the writes' tasks (and shuffles): by the batch's accepted elements and the stored
     windows it reads (``StateFiles.may_read``), not by the stored windows it leaves alone, and never fewer than its
     read's (``read``). The tables do not depend on it."""
     n = max(read, batch_partitions(job.settings, accepted + (files.may_read(accepted) if files else 0)))
-    job.spark.conf.set("spark.sql.shuffle.partitions", str(n))
+    width.set(n)
     return n
 
 
@@ -445,25 +450,24 @@ def run_on_spark(job: BatchContext, work: BatchWork, inputs: int, timer
         from millpond.quality.context import warm_context
 
         warm_context(job.settings)  # loaded while this thread waits on the batch's Spark jobs
-    conf = job.spark.conf
-    width = conf.get("spark.sql.shuffle.partitions")  # the session's, put back after (a shared session's peers)
+    width = ShuffleWidth(job.spark)  # the session's, put back after (a shared session's peers)
     with watched(job.spark, job.settings.spark_connect_url, job.settings.spark_timeout_s):
         result = _run_on_spark(job, work.txn, work.plan, inputs, work.prev, work.w_in, work.processing_time,
-                               work.watermark, timer)
+                               work.watermark, timer, width)
     # only after a batch that ran: a failed one's error stands (a frozen server's session takes no more calls),
     # and the next batch sets its own width anyway
-    conf.set("spark.sql.shuffle.partitions", width)
+    width.restore()
     return result
 
 
 def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], inputs: int,
-                  prev: dict[str, Any] | None, w_in: int, processing_time: int, explicit_watermark, timer
-                  ) -> tuple[dict[str, int], BatchClock, int | None]:
+                  prev: dict[str, Any] | None, w_in: int, processing_time: int, explicit_watermark, timer,
+                  width: ShuffleWidth) -> tuple[dict[str, int], BatchClock, int | None]:
     from millpond.runtime.steps.watermark import clock_for
 
     version, seen_version = the_plan["versions"].get("windows"), the_plan["versions"].get("seen_ids")
     partitions = batch_partitions(job.settings, inputs)
-    job.spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
+    width.set(partitions)
     seen = None if seen_version is None else spark_io.read_table(  # a scan: as many tasks as files, up to the width
         job.spark, job.tables, job.name, "seen_ids", seen_version, tasks=job.settings.spark_shuffle_partitions)
     tally = None if job.spec.upstream is None else stage_tally(job, the_plan, partitions)
@@ -480,7 +484,7 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], inputs:
     # only the files that can hold a window the batch may change (``spark_state``), and of those only the rows it
     # can change (the rewrite reads the files it replaces itself, ``lake.spark_ranged``)
     stored_files = None if version is None else state_files(job, version, clock)
-    partitions = step_partitions(job, partitions, counts["accepted"], stored_files)
+    partitions = step_partitions(job, width, partitions, counts["accepted"], stored_files)
     state = stored_windows(job, stored_files, accepted, clock, tally)
     if state is not None:
         state = keep(job.spark, state)
@@ -502,8 +506,6 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], inputs:
         max_et = max(last, max_et if max_et is not None else last)
     counts = {"files": len(the_plan["files"]), **counts, "late": 0, "panes": 0, "retractions": 0, **outputs}
     # a warm server keeps cached frames until told (``accepted`` is a projection of the kept ``parsed``; with a
-    # tally nothing kept them: each unpersist is a round trip)
-    for frame in (parsed if tally is None else None, state, out, panes if job.validate else None):
-        if frame is not None:
-            frame.unpersist()
+    # tally nothing kept them), each a round trip: at once
+    release((parsed if tally is None else None, state, out, panes if job.validate else None))
     return counts, clock, max_et

@@ -13,6 +13,7 @@ from urllib.parse import quote, urlparse
 
 from millpond.config import Settings
 from millpond.errors import MillpondError
+from millpond.runtime.engines.spark_keep import known_master
 from millpond.runtime.engines.spark_watchdog import ServerFrozen, watched
 
 _SESSIONS: dict[str, object] = {}
@@ -34,7 +35,7 @@ def connect(settings: Settings):
         # a new session (not the process's default one, which may be another endpoint's or a refused one)
         session = SparkSession.builder.remote(remote_url(url, token)).create()
         with watched(session, url, settings.spark_timeout_s):
-            session.conf.get("spark.master")  # the first call is where a missing server shows (no Spark job)
+            master = session.conf.get("spark.master")  # where a missing server shows first (no Spark job)
     except ServerFrozen:
         raise
     except Exception as exc:  # noqa: BLE001 - gRPC errors become one line
@@ -47,6 +48,7 @@ def connect(settings: Settings):
                                 f"{_token_hint(settings)}; {text}") from exc
         raise MillpondError(f"Spark Connect server at {url} is not answering: start it with `make up` "
                             f"(or set spark.connect); {text}") from exc
+    known_master(session, master)  # a batch's kept frames depend on it (``spark_keep``)
     _SESSIONS[url] = session
     return session
 

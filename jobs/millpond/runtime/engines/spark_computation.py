@@ -37,6 +37,7 @@ from millpond.lake import spark_io
 from millpond.lake.file_commits import commit_files, live_files
 from millpond.lake.schemas import QUARANTINE_SCHEMA, SEEN_SCHEMA
 from millpond.lake.snapshot_files import Storage
+from millpond.lake.spark_frames import collected
 from millpond.lake.tables import Txn
 from millpond.model.clock import BatchClock
 from millpond.model.computation import EVENT, PROCESSING, Computation, KeyOutcome, Record, Timer, run_key
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from millpond.runtime.commits import PhaseTimer
     from millpond.runtime.context import BatchContext
     from millpond.runtime.engines.base import BatchWork
+    from millpond.runtime.engines.spark_width import ShuffleWidth
 
 #: one row of a task's output, tagged by ``tbl``: ``state`` and ``timer`` (the tables after the batch, with the
 #: batch that wrote each row), ``prod`` (a production: its stream, its place in its key's, the pickled row),
@@ -212,29 +214,29 @@ def run_computation(job: BatchContext, work: BatchWork, rows: int, timer: PhaseT
     added here), which sizes its shuffles. A Connect server that stops answering meanwhile fails the batch within
     ``spark.timeout``."""
     from millpond.runtime.engines.spark_watchdog import watched
+    from millpond.runtime.engines.spark_width import ShuffleWidth
 
     if job.validate:
         from millpond.quality.context import warm_context
 
         warm_context(job.settings)  # loaded while this thread waits on the batch's Spark jobs
-    conf = job.spark.conf
-    width = conf.get("spark.sql.shuffle.partitions")  # the session's, put back after (a shared session's peers)
+    width = ShuffleWidth(job.spark)  # the session's, put back after (a shared session's peers)
     with watched(job.spark, job.settings.spark_connect_url, job.settings.spark_timeout_s):
-        result = _run(job, work, rows, timer)
-    conf.set("spark.sql.shuffle.partitions", width)
+        result = _run(job, work, rows, timer, width)
+    width.restore()
     return result
 
 
-def _run(job: BatchContext, work: BatchWork, rows: int, timer: PhaseTimer
+def _run(job: BatchContext, work: BatchWork, rows: int, timer: PhaseTimer, width: ShuffleWidth
          ) -> tuple[dict[str, Any], BatchClock, int | None]:
     from millpond.runtime.engines.spark_batch import batch_partitions, delays
-    from millpond.runtime.engines.spark_keep import keep
+    from millpond.runtime.engines.spark_keep import keep, release
     from millpond.runtime.steps.watermark import clock_for
 
     spark, versions = job.spark, work.plan["versions"]
     rows += sum(spark_io.table_rows(job.tables, job.name, t, versions.get(t)) for t in ("comp_state", "timers"))
     partitions = batch_partitions(job.settings, rows)
-    spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
+    width.set(partitions)
     seen = _table(job, "seen_ids", versions, partitions)
     bad, accepted, counts, max_et, parsed = _read(job, work, seen, partitions)
     timer.lap("ingest", partitions=partitions)
@@ -254,8 +256,7 @@ def _run(job: BatchContext, work: BatchWork, rows: int, timer: PhaseTimer
     job.commits.defer()
     _write(job, work, clock, out, bad, accepted, seen, counts, tally, schemas, partitions)
     commit_watermark(job, work.txn, clock, held, versions.get("watermarks"))
-    for frame in (parsed, out):  # ``accepted``: a projection of the kept ``parsed``
-        frame.unpersist()
+    release((parsed, out))  # ``accepted``: a projection of the kept ``parsed``
     return ({"files": len(work.plan["files"]), **counts, "late": tally["late"], "panes": 0, "retractions": 0,
              "state_rows_read": tally["read"], "keys": tally["keys"], "timers_fired": tally["fired"],
              "productions": tally["produced"]}, clock, max_et)
@@ -329,7 +330,7 @@ def _tally(out) -> tuple[dict[str, int], int | None, dict[str, list[tuple]]]:
     from pyspark.sql import functions as F
 
     try:
-        got = out.where(F.col("tbl").isin("tally", "stream")).collect()
+        got = collected(out.where(F.col("tbl").isin("tally", "stream")))
     except Exception as exc:  # noqa: BLE001 - Spark wraps the executor's error in its own
         raise _user_error(exc) from exc
     tallies = [r for r in got if r["tbl"] == "tally"]

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from millpond.lake.spark_frames import collected
 
-def output_counts(out) -> list[Any]:
+
+def output_counts(out) -> list[dict[str, Any]]:
     """Rows per table and kind (``n``), the (day, hour) partitions of ``window_end`` the current rows touch (``d``,
     ``h``), and for each of the step's tasks (``p``: its ``read`` row) its panes (``m``) and its elements' greatest
     event time (``e``)."""
     from pyspark.sql import functions as F
 
     is_current, is_read = F.col("tbl") == "current", F.col("tbl") == "read"
-    return out.groupBy("tbl", "kind", F.when(is_current, F.to_date(F.timestamp_micros("window_end"))).alias("d"),
+    counts = out.groupBy("tbl", "kind", F.when(is_current, F.to_date(F.timestamp_micros("window_end"))).alias("d"),
                        F.when(is_current, F.hour(F.timestamp_micros("window_end"))).alias("h"),
                        F.when(is_read, F.col("part")).alias("p")
                        ).agg(F.sum(F.when(is_read, F.col("pane_index")).otherwise(1)).alias("n"),
                              F.sum(F.when(is_read, F.col("seq"))).alias("m"),
-                             F.max(F.when(is_read, F.col("event_time"))).alias("e")).collect()
+                             F.max(F.when(is_read, F.col("event_time"))).alias("e"))
+    return collected(counts)

@@ -43,6 +43,7 @@ from millpond.lake.schemas import (
     late_schema,
 )
 from millpond.lake.snapshot_files import Storage, data_files, read_file, table_schema
+from millpond.lake.spark_frames import collected
 from millpond.lake.tables import Tables, Txn
 from millpond.model.clock import BatchClock
 from millpond.model.panes import pane_schema
@@ -276,8 +277,8 @@ def run_one_task(job: BatchContext, work: BatchWork, timer: PhaseTimer
         warm_context(job.settings, PANDAS)
     task = functools.partial(run_task, given)
     with watched(job.spark, job.settings.spark_connect_url, job.settings.spark_timeout_s):
-        rows = spark_io.map_arrow(job.spark.range(0, 1, 1, 1), task, spark_io.spark_schema(spark_io.WRITTEN),
-                                  ["id"]).collect()
+        rows = collected(spark_io.map_arrow(job.spark.range(0, 1, 1, 1), task,
+                                            spark_io.spark_schema(spark_io.WRITTEN), ["id"]))
     written: dict[str, list[dict[str, Any]]] = {}
     meta: dict[str, Any] = {}
     frames = []

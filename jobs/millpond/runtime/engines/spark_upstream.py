@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from millpond.lake import spark_io
 from millpond.lake.delta_files import DataFile, added_files, column_max, magnitude, rows_of, snapshot_files
+from millpond.lake.spark_frames import collected, local_frame
 from millpond.model.panes import pane_schema
 from millpond.model.stages import ALL_KEY
 from millpond.runtime.engines.spark_keep import keep
@@ -87,8 +88,11 @@ class Tally(NamedTuple):
 
     def ranges(self, spark, key: str):
         """The elements' event-time range, as one key's (``spark_batch.stored_windows``): a frame of one row."""
-        schema = "key string, lo bigint, hi bigint"
-        return spark.createDataFrame([(key, self.lo, self.hi)] if self.rows else [], schema)
+        from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+        schema = StructType([StructField("key", StringType()), StructField("lo", LongType()),
+                             StructField("hi", LongType())])
+        return local_frame(spark, [(key, self.lo, self.hi)] if self.rows else [], schema)
 
 
 def plain_tally(job: BatchContext, plan: dict[str, Any], partitions: int) -> Tally | None:
@@ -124,7 +128,8 @@ def plain_tally(job: BatchContext, plan: dict[str, Any], partitions: int) -> Tal
     start, end = F.unix_micros("window_start"), F.unix_micros("window_end")
     event_time = start if up.event_time == "window_start" else end - F.lit(1)
     got = rows.agg(F.count(F.lit(1)).alias("n"), F.min(event_time).alias("lo"), F.max(event_time).alias("hi"),
-                   F.max(F.abs(F.col("value").cast("double"))).alias("big")).collect()[0]
+                   F.max(F.abs(F.col("value").cast("double"))).alias("big"))
+    got = collected(got)[0]
     return Tally(got["n"], got["lo"], got["hi"], None if got["big"] is None else 2 * got["big"])
 
 
@@ -320,8 +325,8 @@ def stage_elements(spark, rows, tally: Tally | None = None):
         counts = {"input": tally.rows, "accepted": tally.rows, "duplicates": 0, "quarantined": 0}
         return rows.where(F.lit(False)), accepted, counts, tally.hi, accepted, tally.big
     accepted = keep(spark, accepted)
-    tally = accepted.agg(F.count(F.lit(1)).alias("n"), F.max("event_time").alias("max_et"),
-                         F.max(F.abs(F.col("value").cast("double"))).alias("big")).collect()[0]
+    tally = collected(accepted.agg(F.count(F.lit(1)).alias("n"), F.max("event_time").alias("max_et"),
+                                   F.max(F.abs(F.col("value").cast("double"))).alias("big")))[0]
     counts = {"input": tally["n"], "accepted": tally["n"], "duplicates": 0, "quarantined": 0}
     return rows.where(F.lit(False)), accepted, counts, tally["max_et"], accepted, tally["big"]
 

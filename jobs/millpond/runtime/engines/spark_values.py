@@ -9,6 +9,8 @@ generated code the same from batch to batch, so a warm server compiles it once (
 
 from __future__ import annotations
 
+from millpond.lake.spark_frames import local_frame
+
 
 def batch_values(spark, **values: int | None):
     """One row, a ``bigint`` column per value named ``_`` + its name, marked for broadcast; join it with
@@ -17,7 +19,7 @@ def batch_values(spark, **values: int | None):
     from pyspark.sql.types import LongType, StructField, StructType
 
     schema = StructType([StructField(f"_{name}", LongType(), True) for name in values])
-    return F.broadcast(spark.createDataFrame([tuple(values.values())], schema))
+    return F.broadcast(local_frame(spark, [tuple(values.values())], schema))
 
 
 def with_values(df, values):
