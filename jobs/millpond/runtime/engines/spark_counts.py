@@ -19,10 +19,9 @@ def output_counts(out) -> list[dict[str, Any]]:
     from pyspark.sql import functions as F
 
     is_current, is_read = F.col("tbl") == "current", F.col("tbl") == "read"
-    counts = out.groupBy("tbl", "kind", F.when(is_current, F.to_date(F.timestamp_micros("window_end"))).alias("d"),
-                       F.when(is_current, F.hour(F.timestamp_micros("window_end"))).alias("h"),
-                       F.when(is_read, F.col("part")).alias("p")
-                       ).agg(F.sum(F.when(is_read, F.col("pane_index")).otherwise(1)).alias("n"),
-                             F.sum(F.when(is_read, F.col("seq"))).alias("m"),
-                             F.max(F.when(is_read, F.col("event_time"))).alias("e"))
-    return collected(counts)
+    groups = out.groupBy("tbl", "kind", F.when(is_current, F.to_date(F.timestamp_micros("window_end"))).alias("d"),
+                         F.when(is_current, F.hour(F.timestamp_micros("window_end"))).alias("h"),
+                         F.when(is_read, F.col("part")).alias("p"))
+    return collected(groups.agg(F.sum(F.when(is_read, F.col("pane_index")).otherwise(1)).alias("n"),
+                                F.sum(F.when(is_read, F.col("seq"))).alias("m"),
+                                F.max(F.when(is_read, F.col("event_time"))).alias("e")))
