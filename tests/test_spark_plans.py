@@ -241,7 +241,7 @@ def test_a_batch_asks_the_server_only_what_it_does_not_know(settings, spark_conn
     twice; since, 7 and 8 (5 and 4 settings).
 
     Each batch's session is not the process's first (``spark``, this process's active session): pyspark bound a
-    kept frame to that one, and the batch failed on its next job (``spark_keep._ours``)."""
+    kept frame to that one, and the batch failed on its next job (``spark_keep.keep``)."""
     from millpond.model.timeutil import to_datetime
     from millpond.runtime.engines import spark_client
     from millpond.runtime.job import run_batch
@@ -266,6 +266,28 @@ def test_a_batch_asks_the_server_only_what_it_does_not_know(settings, spark_conn
         assert len(settings_asked) <= (5 if strategy == "plan" else 2), (strategy, batch, asked)
         assert "analyze:ddl_parse" not in asked and "analyze:schema" not in asked, (strategy, batch, asked)
     assert sum(a.startswith("config:") for a in asks[("one_task", 2)]) <= 1, asks
+
+
+def test_a_kept_frame_stays_on_its_session_whichever_session_is_active(spark, monkeypatch) -> None:
+    """pyspark's Connect client gives a checkpointed frame the thread's active session, not the frame's own: the
+    process's first session, or none once the watchdog closed a frozen server's session (pyspark then clears it).
+    A batch on a later session (``spark_client.connect`` makes one after a freeze) failed on its next job, or on
+    "No active or default Spark session found". ``spark_keep.keep`` makes the checkpoint with the batch's session
+    active: with none active and none default, and with another one active, the kept frame is the batch's."""
+    from millpond.runtime.engines.spark_keep import keep
+    from pyspark.sql.connect.session import SparkSession
+
+    frame = spark.range(0, 10, 1, 2).selectExpr("id", "id * 2 AS twice")
+    other = object.__new__(SparkSession)  # stands for a session this process made first (never used here)
+    for active, default in ((None, None), (other, other)):
+        monkeypatch.setattr(SparkSession._active_session, "session", active, raising=False)
+        monkeypatch.setattr(SparkSession, "_default_session", default)
+        kept = keep(spark, frame, now=True)
+        assert kept.sparkSession is spark
+        assert getattr(SparkSession._active_session, "session", None) is active  # put back as it was
+        monkeypatch.undo()
+        assert kept.agg({"twice": "sum"}).collect()[0][0] == 90
+        kept.unpersist()
 
 
 def test_local_frames_and_collected_rows_are_spark_s_own(spark) -> None:

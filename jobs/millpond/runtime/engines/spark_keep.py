@@ -14,27 +14,31 @@ def keep(spark, df, now: bool = False):
     executor's cached rows are recomputed from the lineage, a checkpoint's would fail the batch. ``now``:
     computed here, in a job of its own (else by the first action that needs it)."""
     if _local_master(spark):
-        return _ours(spark, df.localCheckpoint(eager=now))
+        return _checkpoint(spark, df, now)
     kept = df.cache()
     if now:
         kept.count()
     return kept
 
 
-def _ours(spark, kept):
-    """``kept`` (a checkpoint) on ``spark``. pyspark's Connect client binds a checkpoint to the thread's active
-    session (``SparkSession.active()``: the first one the process made), not to the checkpointed frame's: a batch on
-    any other session (the one ``spark_client.connect`` makes after the server froze and the old one was closed, a
-    second endpoint's) then sent its next job to a session that had no such frame, or to a closed one, and failed."""
-    if kept.sparkSession is spark:
-        return kept
-    from pyspark.sql.connect.dataframe import DataFrame
-    from pyspark.sql.connect.plan import CachedRemoteRelation
+def _checkpoint(spark, df, eager: bool):
+    """``df``'s local checkpoint, on ``spark``. pyspark's Connect client gives a checkpoint the thread's active session
+    (``SparkSession.active()``), not the checkpointed frame's: that is the process's first session, or none at all
+    once the watchdog has closed a frozen server's session (``spark_watchdog``). A batch on a later session (the one
+    ``spark_client.connect`` makes after a freeze) then sent its next job to a session without the frame, or failed
+    on "No active or default Spark session found", every multi-stage batch of the process. So ``spark`` is the
+    active session while the checkpoint is made."""
+    if not type(spark).__module__.startswith("pyspark.sql.connect"):
+        return df.localCheckpoint(eager=eager)
+    from pyspark.sql.connect.session import SparkSession
 
-    relation = kept._plan
-    frame = DataFrame(CachedRemoteRelation(relation._relation_id, spark), spark)
-    relation._relation_id = None  # released by ``frame``, on its own session (the other has no such frame)
-    return frame
+    active = SparkSession._active_session  # a thread-local
+    before = getattr(active, "session", None)
+    active.session = spark
+    try:
+        return df.localCheckpoint(eager=eager)
+    finally:
+        active.session = before
 
 
 def release(frames: Iterable) -> None:
