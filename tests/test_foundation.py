@@ -255,6 +255,33 @@ def test_free_ports_stay_below_the_ephemeral_range(tmp_path) -> None:
     assert free_port() < low and free_port(twin=10000) + 10000 < low
 
 
+def test_a_free_port_is_not_handed_to_another_process_while_its_taker_is_down(monkeypatch) -> None:
+    """A store stopped for an outage leaves its ports unbound until it restarts; another process's free port
+    (a second test worker's server) must not be one of them, or the restart fails on a port in use (a CI run
+    failed so). Both processes pick with the same seeded sequence, so without the lease they pick alike."""
+    import random
+
+    from millpond.orchestration import processes
+
+    class Seeded(random.Random):
+        def __init__(self) -> None:
+            super().__init__(20261204)
+
+    monkeypatch.setattr(processes.random, "SystemRandom", Seeded)
+    mine = {processes.free_port(twin=10000), processes.free_port()}  # handed out, not bound: a store that is down
+    other = ("import random, sys\n"
+             "from millpond.orchestration import processes\n"
+             "class Seeded(random.Random):\n"
+             "    def __init__(self):\n"
+             "        super().__init__(20261204)\n"
+             "processes.random.SystemRandom = Seeded\n"
+             "print(processes.free_port(twin=10000), processes.free_port())\n")
+    theirs = set(map(int, subprocess.run([sys.executable, "-c", other], capture_output=True, text=True,
+                                         check=True).stdout.split()))
+    assert len(theirs) == 2 and not theirs & mine, (mine, theirs)
+    assert all(processes.port_free(p) for p in mine | theirs)  # free to bind: leased, not held
+
+
 def test_stopping_a_service_stops_a_child_that_outlives_its_leader(tmp_path) -> None:
     """A service whose leader exits on SIGTERM while its child ignores it (a Spark driver program stuck in its
     shutdown once its JVM has gone): stopping it leaves no process of its group, and soon."""

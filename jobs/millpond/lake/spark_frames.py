@@ -19,7 +19,8 @@ import pyarrow as pa
 LOCAL_BYTES = 1 << 20
 
 
-def _on_connect(obj: Any) -> bool:
+def on_connect(obj: Any) -> bool:
+    """A Spark Connect client's object (a session, a frame), not a classic in-process one."""
     return type(obj).__module__.startswith("pyspark.sql.connect")
 
 
@@ -32,7 +33,7 @@ def _plain(schema) -> bool:
 
 def local_frame(spark, rows: list[tuple], schema):
     """``spark.createDataFrame(rows, schema)`` (``schema``: a ``StructType``), its columns known to the client."""
-    if not _on_connect(spark) or not _plain(schema):
+    if not on_connect(spark) or not _plain(schema):
         return spark.createDataFrame(rows, schema)
     from pyspark.sql.connect.dataframe import DataFrame
     from pyspark.sql.connect.plan import LocalRelation
@@ -50,7 +51,7 @@ def local_frame(spark, rows: list[tuple], schema):
 def collected(df) -> list[dict[str, Any]]:
     """``df``'s rows as dicts (a small result: counts, file lists), binary as ``bytes``; a timestamp would come
     back zoned (UTC), where ``collect`` gives the session's local time."""
-    if not _on_connect(df):
+    if not on_connect(df):
         return [r.asDict() for r in df.collect()]
     table, _schema = df._to_table()
     return table.to_pylist()

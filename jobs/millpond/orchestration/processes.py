@@ -7,11 +7,14 @@ a group whose PID file this project wrote, so a user's own processes are never t
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import random
 import signal
 import socket
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from millpond.config import Settings
@@ -47,19 +50,52 @@ def ephemeral_ports() -> tuple[int, int]:
     return low, high
 
 
+#: how long a port ``free_port`` handed out stays its taker's, whether bound or not: a store stopped for an outage
+#: gets its ports back on restart, not taken meanwhile by another process's free port (a CI run failed so)
+LEASE_S = 3600.0
+
+
+def lease_book() -> Path:
+    """The ports handed out on this host by any process of this user, with when: one small file, locked."""
+    return Path(tempfile.gettempdir()) / f"millpond-ports-{os.getuid()}"
+
+
+@contextlib.contextmanager
+def _leases() -> Iterator[dict[int, float]]:
+    """The unexpired leases, under an exclusive lock held until the block ends; what it adds is written back."""
+    path = lease_book()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "r+") as book:
+        fcntl.flock(book, fcntl.LOCK_EX)
+        now = time.time()
+        leases: dict[int, float] = {}
+        for line in book.read().split():
+            port, _, at = line.partition("@")
+            with contextlib.suppress(ValueError):
+                if now - float(at) < LEASE_S:
+                    leases[int(port)] = float(at)
+        yield leases
+        book.seek(0)
+        book.truncate()
+        book.write("".join(f"{port}@{at:.0f}\n" for port, at in sorted(leases.items())))
+
+
 def free_port(avoid: set[int] | None = None, twin: int | None = None) -> int:
     """A free loopback port for a server, below the kernel's ephemeral range: a server stopped and started
     again on it (a store after an outage) never finds it taken meanwhile by some connection's own port, which
-    the kernel picks from that range. With ``twin``, port + twin is free and below the range as well
-    (SeaweedFS's gRPC ports are +10000)."""
+    the kernel picks from that range, nor by another process's free port (each is leased, ``LEASE_S``). With
+    ``twin``, port + twin is free and below the range as well (SeaweedFS's gRPC ports are +10000)."""
     avoid = avoid or set()
     top = ephemeral_ports()[0] - 1 - (twin or 0)
     pick = random.SystemRandom()
-    for _ in range(500):
-        port = pick.randint(LOWEST_PORT, top) if top > LOWEST_PORT else _kernel_port()
-        ports = {port, port + twin} if twin else {port}
-        if max(ports) < 65536 and not ports & avoid and all(port_free(p) for p in ports):
-            return port
+    with _leases() as leased:
+        for _ in range(500):
+            port = pick.randint(LOWEST_PORT, top) if top > LOWEST_PORT else _kernel_port()
+            ports = {port, port + twin} if twin else {port}
+            if (max(ports) < 65536 and not ports & avoid and not ports & leased.keys()
+                    and all(port_free(p) for p in ports)):
+                leased.update(dict.fromkeys(ports, time.time()))
+                return port
     raise MillpondError("no free loopback port found")
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
+from millpond.lake.spark_frames import on_connect
+
 
 def keep(spark, df, now: bool = False):
     """``df`` computed once for the batch's several uses. On a ``local`` master, a lazy local checkpoint: its
@@ -28,7 +30,7 @@ def _checkpoint(spark, df, eager: bool):
     ``spark_client.connect`` makes after a freeze) then sent its next job to a session without the frame, or failed
     on "No active or default Spark session found", every multi-stage batch of the process. So ``spark`` is the
     active session while the checkpoint is made."""
-    if not type(spark).__module__.startswith("pyspark.sql.connect"):
+    if not on_connect(spark):
         return df.localCheckpoint(eager=eager)
     from pyspark.sql.connect.session import SparkSession
 

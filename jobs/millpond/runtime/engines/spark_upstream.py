@@ -127,9 +127,9 @@ def plain_tally(job: BatchContext, plan: dict[str, Any], partitions: int) -> Tal
         for name, version, files in listed))
     start, end = F.unix_micros("window_start"), F.unix_micros("window_end")
     event_time = start if up.event_time == "window_start" else end - F.lit(1)
-    got = rows.agg(F.count(F.lit(1)).alias("n"), F.min(event_time).alias("lo"), F.max(event_time).alias("hi"),
-                   F.max(F.abs(F.col("value").cast("double"))).alias("big"))
-    got = collected(got)[0]
+    big = F.max(F.abs(F.col("value").cast("double")))
+    got = collected(rows.agg(F.count(F.lit(1)).alias("n"), F.min(event_time).alias("lo"),
+                             F.max(event_time).alias("hi"), big.alias("big")))[0]
     return Tally(got["n"], got["lo"], got["hi"], None if got["big"] is None else 2 * got["big"])
 
 

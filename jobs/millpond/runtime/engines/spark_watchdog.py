@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from millpond.errors import MillpondError
+from millpond.lake.spark_frames import on_connect
 
 #: seconds between probes while a batch runs
 EVERY = 5.0
@@ -28,7 +29,7 @@ class ServerFrozen(MillpondError):
 def watched(session, url: str, timeout: float) -> Iterator[None]:
     """Run the block with ``session``'s server probed; a server silent for ``timeout`` fails it in one line.
     A classic (in-process) SparkSession is not a service: nothing to watch."""
-    if not type(session).__module__.startswith("pyspark.sql.connect"):
+    if not on_connect(session):
         yield
         return
     client = session.client
