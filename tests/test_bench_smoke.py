@@ -1,6 +1,6 @@
 """Smoke test of the benchmark machinery (`make bench`) on a tiny workload, so it cannot rot.
 
-No Beam, Flink or Airflow here (their own costs dwarf the workload); the full run is ``millpond bench`` (see
+No Beam, Flink or Airflow here (their own costs dwarf the workload); the full run is ``make bench`` (see
 bench/README.md). The slow test runs the Spark engine's measures, its fair bare-Spark peers, Structured Streaming,
 the engines-agree and stage-scale measures on one Connect server, at toy sizes.
 """

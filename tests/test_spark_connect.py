@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -102,7 +104,11 @@ try:
     replay(s, pipeline_from_dict(doc), read_events(sys.argv[3]), spark=spark)
 except MillpondError as exc:
     print("error: " + str(exc), flush=True)
-    raise SystemExit(3)
+    if sys.stdin.readline().strip() != "rerun":
+        raise SystemExit(3)
+# thawed: the same process reruns (as `millpond run` goes on), on the new session connect makes, in one task a batch
+s = s.with_overrides(engine_one_task_below=1_000_000)
+replay(s, pipeline_from_dict(doc), read_events(sys.argv[3]), spark=connect(s))
 print("finished", flush=True)
 """
 
@@ -231,7 +237,8 @@ def test_connect_server_starts_answers_clients_fails_a_frozen_batch_in_time_and_
     refuses clients without its token or with a wrong one, and answers those with it: the stack's own (the
     token `make up` generated into the home, owner-only) and a deployment's (the token from the environment);
     paused (SIGSTOP: it still accepts connections), it fails the running batch in about ``spark.timeout`` with
-    one line naming it, instead of hanging until the task's timeout; stopped, nothing of it is left."""
+    one line naming it, instead of hanging until the task's timeout; thawed, the same process reruns and exits;
+    stopped, nothing of it is left."""
     from millpond.orchestration.processes import group_members
 
     local, server = connect_server.settings, connect_server.server
@@ -261,17 +268,28 @@ def test_connect_server_starts_answers_clients_fails_a_frozen_batch_in_time_and_
         events = Path(__file__).parent / "scenarios" / "fig14_sessions_retracting.jsonl"
         # a deployment's endpoint (spark.connect) with its token from the environment
         client = subprocess.Popen([sys.executable, "-c", FROZEN_CLIENT, local.spark_connect_url, pipeline_name,
-                                   str(events)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=_env(MILLPOND_SPARK_CONNECT_TOKEN=token))
-        assert client.stdout.readline().strip() == "connected"
+                                   str(events)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=_env(MILLPOND_SPARK_CONNECT_TOKEN=token))
+        lines: queue.Queue[str] = queue.Queue()
+        errors: list[str] = []  # read as it comes: a full pipe would stop the client
+        threading.Thread(target=lambda: [lines.put(line) for line in client.stdout], daemon=True).start()
+        threading.Thread(target=lambda: errors.extend(client.stderr), daemon=True).start()
+        assert lines.get(timeout=120).strip() == "connected"
         time.sleep(4)  # inside the replay's first Spark batch (its first data-source read alone takes seconds)
         os.killpg(group, signal.SIGSTOP)
         frozen_at = time.monotonic()
-        out, err = client.communicate(timeout=120)
+        said = lines.get(timeout=120)
         waited = time.monotonic() - frozen_at
-        assert client.returncode == 3, (out, err[-2000:])
-        assert "Spark Connect server at " + local.spark_connect_url + " did not answer within 8s" in out
+        assert said.startswith("error: Spark Connect server at " + local.spark_connect_url +
+                               " did not answer within 8s"), said
         assert waited < 8 + 5 + 30, waited  # the timeout, a probe interval, and closing the channel
+        # thawed, the same process reruns and exits: pyspark closed its new session only in the interpreter's
+        # finalization, where that close waited for good on gRPC's stopped threads
+        os.killpg(group, signal.SIGCONT)
+        client.stdin.write("rerun\n")
+        client.stdin.flush()
+        client.wait(timeout=240)
+        assert client.returncode == 0 and lines.get(timeout=5).strip() == "finished", "".join(errors)[-3000:]
     finally:
         os.killpg(group, signal.SIGCONT)
         if client is not None and client.poll() is None:

@@ -1,4 +1,4 @@
-"""Throughput of the Beam reference on one workload (run by ``millpond bench`` in the Beam venv).
+"""Throughput of the Beam reference on one workload (run by ``make bench`` in the Beam venv).
 
     var/beam-venv/<hash>/bin/python tests/reference/beam_bench.py \
         --pipeline P.yaml --events E.jsonl --start T --out panes.jsonl

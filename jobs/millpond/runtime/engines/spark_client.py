@@ -6,6 +6,8 @@ its executors, so it serves only clients holding its token (``orchestration.spar
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import socket
 from pathlib import Path
@@ -17,6 +19,20 @@ from millpond.runtime.engines.spark_keep import known_master
 from millpond.runtime.engines.spark_watchdog import ServerFrozen, watched
 
 _SESSIONS: dict[str, object] = {}
+
+
+def _close_sessions() -> None:
+    """Close this process's open sessions as it exits, while its threads still run. pyspark closes a session only
+    in its ``__del__``, during the interpreter's finalization, when gRPC's own threads no longer run: once a
+    server had frozen and a new session had replaced the closed one, that close waited on them for good, and a
+    process that had finished its batches (``millpond run``, a DAG task) never exited."""
+    for session in list(_SESSIONS.values()):
+        if not session.client.is_closed:
+            with contextlib.suppress(Exception):  # exiting: a failed close changes nothing
+                session.client.close()
+
+
+atexit.register(_close_sessions)
 
 
 def connect(settings: Settings):
