@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import threading
 from collections import defaultdict
 from pathlib import Path
 
@@ -257,9 +258,13 @@ def test_a_stage_s_batches_reach_the_per_key_step_lifted_on_spark(settings, tabl
     elements are made once, by the step's read: counted first (``spark_batch.stage_tally``) from the pane files'
     statistics, so that the upstream's rows are read once (the later batch), or by a job over their columns where
     the statistics lack the values' bounds (the first); never kept. The tables, the markers' greatest event time
-    included, are the local engine's. The upstream's files are listed once per batch."""
+    included, are the local engine's. The upstream's files are listed once per batch. The step's one task writes
+    the stage's tables itself (``spark_one_key``): its output is never kept, counted or written by actions of their
+    own, so the batch asks the server for two executions (the tally's job or the stored windows' local checkpoint,
+    and the one job that reads, lifts, steps and writes)."""
     from millpond.runtime.engines import spark_batch, spark_keys, spark_upstream
     from millpond.runtime.layout import EVENT_COLUMNS
+    from pyspark.sql.connect.client.core import SparkConnectClient
 
     up, down = f"{pipeline_name}_up", f"{pipeline_name}_down"
     up_spec, stage = pipeline_from_dict(upstream_doc(up)), Engines(settings, spark, stage_doc(down, up), ("plan",))
@@ -273,7 +278,8 @@ def test_a_stage_s_batches_reach_the_per_key_step_lifted_on_spark(settings, tabl
         into_step: list[int] = []
 
         def counted(combined, *args, real=spark_keys.key_ranges, into=into_step, **kw):
-            into.append(combined.where("state IS NULL").count())  # the elements (not the stored windows)
+            into.append(-1)  # the test's own count, not the batch's: not among its executions
+            into[-1] = combined.where("state IS NULL").count()  # the elements (not the stored windows)
             return real(combined, *args, **kw)
 
         kept: list[list[str]] = []
@@ -294,6 +300,16 @@ def test_a_stage_s_batches_reach_the_per_key_step_lifted_on_spark(settings, tabl
             into.append(pipeline)
             return real(spark_, tables_, pipeline, *args, **kw)
 
+        executions: list[str] = []
+
+        def executing(client, req, *args, real=SparkConnectClient._execute_and_fetch, into=executions,
+                      counting=into_step, **kw):
+            # the watchdog's probes wait on no job; the test's own count (``counted``) is not the batch's
+            if threading.current_thread().name != "spark-probe" and -1 not in counting:
+                into.append(req.plan.WhichOneof("op_type"))
+            return real(client, req, *args, **kw)
+
+        monkeypatch.setattr(SparkConnectClient, "_execute_and_fetch", executing)
         monkeypatch.setattr(spark_upstream.spark_io, "read_table", reading)
         if batch == 4:  # files without the values' statistics: one job counts the pane rows' own columns
             monkeypatch.setattr(spark_upstream, "magnitude", lambda files, column: None, raising=False)
@@ -305,7 +321,11 @@ def test_a_stage_s_batches_reach_the_per_key_step_lifted_on_spark(settings, tabl
             monkeypatch.setattr(spark_upstream, lister, functools.partial(listing, real=real))
         stage.run(to_datetime(p))
         monkeypatch.undo()
-        assert kept and list(EVENT_COLUMNS) not in kept, kept  # the step's output is kept, never the elements
+        # nothing is kept but the stored windows the later batch reads: neither the elements nor the step's output
+        assert len(kept) == (batch == 5) and list(EVENT_COLUMNS) not in kept, kept
+        # the first: the tally's job (no values' statistics), then one job; the later: the stored windows' local
+        # checkpoint (a command), then one job
+        assert executions == (["root", "root"] if batch == 4 else ["command", "root"]), executions
         # sizing, the tally and the read share one listing of the range (each reads the upstream's log)
         assert listed and len(listed) == len(set(listed)), listed
         # counted by a job (the first batch), the upstream's panes are read twice; from statistics (the second,

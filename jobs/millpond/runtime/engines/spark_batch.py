@@ -43,6 +43,7 @@ from millpond.runtime.engines.spark_counts import output_counts
 from millpond.runtime.engines.spark_keep import keep, release
 from millpond.runtime.engines.spark_keys import per_key_step
 from millpond.runtime.engines.spark_lift import lift_for
+from millpond.runtime.engines.spark_one_key import one_key, step_and_write
 from millpond.runtime.engines.spark_state import FILE_ROWS, StateFiles, ranged, state_files
 from millpond.runtime.engines.spark_upstream import Tally, stage_tally
 from millpond.runtime.engines.spark_values import batch_values, with_values
@@ -489,18 +490,24 @@ def _run_on_spark(job: BatchContext, txn: Txn, the_plan: dict[str, Any], inputs:
     if state is not None:
         state = keep(job.spark, state)
     job.commits.plan_landed()
-    out = compute(job, clock, accepted, state, partitions, counts["accepted"], now=job.validate, biggest=biggest)
-    panes = None  # numbered by the writes, from their counts (``write_outputs``)
-    if job.validate:  # validated and written: numbered once, here (the validation phase holds validation only)
-        panes = keep(job.spark, panes_frame(out, values))
-        lo = first_retracted(panes)  # the job that computes the kept panes
-    timer.lap("windowing")
-    if job.validate:
-        validate_batch(job, clock, values, parsed, out, panes, lo)
-        timer.lap("validation")
-    job.commits.defer()
-    outputs = write_outputs(job, txn, values, bad, accepted, out, panes, the_plan["versions"], seen,
-                            partitions, keep_from, counts["quarantined"], counts["accepted"], stored_files)
+    out = panes = None  # numbered by the writes, from their counts (``write_outputs``)
+    if one_key(job):  # the step's one task writes its tables too: one Spark job (``spark_one_key``)
+        timer.lap("windowing")
+        outputs = step_and_write(job, txn, the_plan, prev, w_in, explicit_watermark, clock, accepted, state,
+                                 counts["accepted"], biggest)
+    else:
+        out = compute(job, clock, accepted, state, partitions, counts["accepted"], now=job.validate,
+                      biggest=biggest)
+        if job.validate:  # validated and written: numbered once, here (the validation phase holds validation only)
+            panes = keep(job.spark, panes_frame(out, values))
+            lo = first_retracted(panes)  # the job that computes the kept panes
+        timer.lap("windowing")
+        if job.validate:
+            validate_batch(job, clock, values, parsed, out, panes, lo)
+            timer.lap("validation")
+        job.commits.defer()
+        outputs = write_outputs(job, txn, values, bad, accepted, out, panes, the_plan["versions"], seen,
+                                partitions, keep_from, counts["quarantined"], counts["accepted"], stored_files)
     last = outputs.pop("max_event_time")  # the per-key step's tasks' greatest event time
     if tally is not None and not tally.timed and last is not None:  # counted from statistics, without times
         max_et = max(last, max_et if max_et is not None else last)

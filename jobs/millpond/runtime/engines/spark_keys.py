@@ -9,6 +9,8 @@ partition's number plus the panes of the partitions before it, a small aggregate
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -52,12 +54,20 @@ def _tagged(tag: str, table: pa.Table, schema: pa.Schema, rename: dict[str, str]
     return pa.Table.from_arrays(cols, schema=schema)
 
 
-def run_partition(spec_json: str, clock: BatchClock, value_type: str, pane_type: str, discarding: bool,
-                  columnar: bool, table: pa.Table, part: int = 0) -> pa.Table:
-    """One partition's keys through the per-key step; every output row, tagged with ``part`` (the partition's
-    number). Its ``read`` row holds the stored windows it read (``pane_index``), the panes it emitted
-    (``seq``), numbered 1.. by key then emission order, and its elements' greatest event time (``event_time``;
-    a lifted element's own, ``LAST_EVENT``)."""
+class StepRun(NamedTuple):
+    """One task's per-key step: its output tables (``Assembly``: panes numbered 1.. by key then emission order,
+    state changes, late rows, current rows), the stored windows it read, and its elements' greatest event time
+    (a lifted element's own, ``LAST_EVENT``; None without elements)."""
+
+    sink: Assembly
+    state_read: int
+    max_event_time: int | None
+
+
+def step_rows(spec_json: str, clock: BatchClock, value_type: str, pane_type: str, discarding: bool,
+              columnar: bool, table: pa.Table) -> StepRun:
+    """A task's elements and stored windows (the step's input columns, ``per_key_step``) through the per-key step,
+    laid out and run exactly as the local engine does."""
     is_state = table.column("state").is_valid()
     times = table.column(LAST_EVENT if LAST_EVENT in table.column_names else "event_time").filter(
         pc.invert(is_state))
@@ -73,17 +83,48 @@ def run_partition(spec_json: str, clock: BatchClock, value_type: str, pane_type:
         for key, els, groups, sts in inputs:
             rows += key_rows(spec_json, clock, key, els, sts, groups)
         sink.add(rows, fired)
-    sink.finish()
+    return StepRun(sink.finish(), state.num_rows, pc.max(times).as_py())
+
+
+def run_partition(spec_json: str, clock: BatchClock, value_type: str, pane_type: str, discarding: bool,
+                  columnar: bool, table: pa.Table, part: int = 0) -> pa.Table:
+    """One partition's keys through the per-key step (``step_rows``); every output row, tagged with ``part`` (the
+    partition's number). Its ``read`` row holds the stored windows it read (``pane_index``), the panes it emitted
+    (``seq``), numbered 1.. by key then emission order, and its elements' greatest event time (``event_time``;
+    a lifted element's own, ``LAST_EVENT``)."""
+    sink, state_read, last = step_rows(spec_json, clock, value_type, pane_type, discarding, columnar, table)
     schema = key_output_schema(value_type, pane_type)
-    read = pa.table({"tbl": ["read"], "pane_index": pa.array([state.num_rows], pa.int64()),
+    read = pa.table({"tbl": ["read"], "pane_index": pa.array([state_read], pa.int64()),
                      "seq": pa.array([sink.panes.num_rows], pa.int64()),
-                     "event_time": pa.array([pc.max(times).as_py()], pa.int64())})
+                     "event_time": pa.array([last], pa.int64())})
     return pa.concat_tables([
         _tagged("read", read, schema, {}, part),
         _tagged("panes", sink.panes, schema, {"value": "pane_value"}, part),
         _tagged("state", sink.state, schema, {}, part),
         _tagged("late", sink.late, schema, {"value": "late_value"}, part),
         _tagged("current", sink.current, schema, {"value": "pane_value"}, part)])
+
+
+def step_input(accepted, state, value_type: str, lift: Lift | None = None):
+    """The per-key step's input, one frame: the batch's elements (``lift``: their windows combined first,
+    ``spark_lift``; else None) and the stored windows it can change (``state``, or None), as rows of the same
+    columns; and those columns, in order."""
+    from pyspark.sql import functions as F
+
+    vtype = "bigint" if value_type == "int" else "double"
+    events = accepted.select("id", "key", F.col("value").cast(vtype).alias("value"), "event_time", "arrival_time")
+    elements = [*EVENT_COLUMNS, *([WEIGHT, LAST_EVENT] if lift is not None else [])]
+    if lift is not None:
+        events = lifted(events, lift, state, [*EVENT_COLUMNS, LAST_EVENT])
+    combined = events.select(*elements, F.lit(None).cast("bigint").alias("window_start"),
+                             F.lit(None).cast("bigint").alias("window_end"),
+                             F.lit(None).cast("string").alias("state"))
+    if state is not None:
+        combined = combined.unionByName(state.select(
+            "key", F.lit(None).cast("string").alias("id"), F.lit(None).cast(vtype).alias("value"),
+            F.lit(None).cast("bigint").alias("event_time"), F.lit(None).cast("bigint").alias("arrival_time"),
+            "window_start", "window_end", "state"), allowMissingColumns=True)
+    return combined, [*elements, "window_start", "window_end", "state"]
 
 
 def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type: str, pane_type: str,
@@ -94,21 +135,7 @@ def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type:
     holds the number of stored windows it read (``pane_index``) and of panes it emitted (``seq``), and its elements'
     greatest event time (``event_time``). ``rows``: about how many elements the batch has (it sizes the sample that
     sets the ranges). ``lift``: the elements' windows combined first (``spark_lift``), or None."""
-    from pyspark.sql import functions as F
-
-    vtype = "bigint" if value_type == "int" else "double"
-    events = accepted.select("id", "key", F.col("value").cast(vtype).alias("value"), "event_time", "arrival_time")
-    elements = [*EVENT_COLUMNS, *([WEIGHT, LAST_EVENT] if lift is not None else [])]
-    if lift is not None:
-        events = lifted(events, lift, state, [*EVENT_COLUMNS, LAST_EVENT])
-    events = events.select(*elements, F.lit(None).cast("bigint").alias("window_start"),
-                           F.lit(None).cast("bigint").alias("window_end"), F.lit(None).cast("string").alias("state"))
-    combined = events
-    if state is not None:
-        combined = events.unionByName(state.select(
-            "key", F.lit(None).cast("string").alias("id"), F.lit(None).cast(vtype).alias("value"),
-            F.lit(None).cast("bigint").alias("event_time"), F.lit(None).cast("bigint").alias("arrival_time"),
-            "window_start", "window_end", "state"), allowMissingColumns=True)
+    combined, columns = step_input(accepted, state, value_type, lift)
     schema = key_output_schema(value_type, pane_type)
 
     def run(batches):
@@ -124,8 +151,7 @@ def per_key_step(spec_json: str, clock: BatchClock, accepted, state, value_type:
 
     from pyspark.sql.pandas.types import from_arrow_schema
 
-    return map_arrow(key_ranges(combined, partitions, rows, most), run, from_arrow_schema(schema),
-                     [*elements, "window_start", "window_end", "state", RANGE])
+    return map_arrow(key_ranges(combined, partitions, rows, most), run, from_arrow_schema(schema), [*columns, RANGE])
 
 
 #: the column that carries a row's key range into the per-key step's tasks

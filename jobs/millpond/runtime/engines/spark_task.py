@@ -140,7 +140,7 @@ def run_task(given: TaskInput, batches: Iterable[pa.RecordBatch]) -> Iterator[pa
     lap("watermark")
     out, state_read = compute.compute(job, given.batch, clock, accepted, given.plan)
     lap("windowing")
-    written, changed, touched = _write(job, given, out, bad, accepted, kept)
+    written, changed, touched = write_tables(job, given, out, bad, accepted, kept)
     lap("write")
     if given.validate:
         written += frame_rows({"accepted": delivered,
@@ -157,8 +157,8 @@ def run_task(given: TaskInput, batches: Iterable[pa.RecordBatch]) -> Iterator[pa
                                       pa.array([r[1] for r in rows], pa.string())], schema=spark_io.WRITTEN)
 
 
-def _write(job: TaskBatch, given: TaskInput, out, bad: list[tuple], accepted: pa.Table, kept: pa.Table | None
-           ) -> tuple[list[tuple[str, str]], set[str], set[tuple[str, str]]]:
+def write_tables(job: TaskBatch, given: TaskInput, out, bad: list[tuple], accepted: pa.Table,
+                 kept: pa.Table | None) -> tuple[list[tuple[str, str]], set[str], set[tuple[str, str]]]:
     """Every output table's data files (the local engine's commits, as files): (table, add action) per file,
     the tables the batch changes (a rewrite may leave no rows, hence no file), and the current view's (day,
     hour) partitions the batch rewrote."""
@@ -304,7 +304,7 @@ def run_one_task(job: BatchContext, work: BatchWork, timer: PhaseTimer
             raise
         timer.lap("validation")
     job.commits.defer()
-    _queue_commits(job, txn, the_plan, written, meta, current)
+    queue_commits(job, txn, the_plan, written, meta, current)
     counts = {"files": len(the_plan["files"]), **meta["counts"]}
     return counts, clock, meta["max_event_time"]
 
@@ -318,8 +318,8 @@ def _discard(job: BatchContext, written: dict[str, list[dict[str, Any]]]) -> Non
             log.warning("%s: the uncommitted files of %s stay until a full vacuum: %s", job.name, table, exc)
 
 
-def _queue_commits(job: BatchContext, txn: Txn, the_plan: dict[str, Any], written: dict[str, list[dict[str, Any]]],
-                   meta: dict[str, Any], current) -> None:
+def queue_commits(job: BatchContext, txn: Txn, the_plan: dict[str, Any], written: dict[str, list[dict[str, Any]]],
+                  meta: dict[str, Any], current) -> None:
     """Each changed table's files as one commit under the batch's transaction, replacing the files its rewrite
     read (``windows`` and a folded ``seen_ids`` at the plan's versions; the touched partitions of ``current``)."""
     versions = the_plan["versions"]
