@@ -276,10 +276,14 @@ def test_a_stage_s_batches_reach_the_per_key_step_lifted_on_spark(settings, tabl
         if batch < 4:
             continue
         into_step: list[int] = []
+        counting = threading.Event()  # set while the test counts (its own execution, not the batch's)
 
-        def counted(combined, *args, real=spark_keys.key_ranges, into=into_step, **kw):
-            into.append(-1)  # the test's own count, not the batch's: not among its executions
-            into[-1] = combined.where("state IS NULL").count()  # the elements (not the stored windows)
+        def counted(combined, *args, real=spark_keys.key_ranges, into=into_step, own=counting, **kw):
+            own.set()
+            try:
+                into.append(combined.where("state IS NULL").count())  # the elements (not the stored windows)
+            finally:
+                own.clear()
             return real(combined, *args, **kw)
 
         kept: list[list[str]] = []
@@ -303,9 +307,9 @@ def test_a_stage_s_batches_reach_the_per_key_step_lifted_on_spark(settings, tabl
         executions: list[str] = []
 
         def executing(client, req, *args, real=SparkConnectClient._execute_and_fetch, into=executions,
-                      counting=into_step, **kw):
+                      own=counting, **kw):
             # the watchdog's probes wait on no job; the test's own count (``counted``) is not the batch's
-            if threading.current_thread().name != "spark-probe" and -1 not in counting:
+            if threading.current_thread().name != "spark-probe" and not own.is_set():
                 into.append(req.plan.WhichOneof("op_type"))
             return real(client, req, *args, **kw)
 

@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from millpond.lake import spark_io
-from millpond.lake.schemas import CURRENT_PARTITIONS
-from millpond.lake.snapshot_files import data_files, table_schema
 from millpond.lake.spark_frames import collected
 from millpond.lake.tables import Txn
 from millpond.model.clock import BatchClock
@@ -32,7 +30,16 @@ from millpond.runtime.assembly import Assembly
 from millpond.runtime.engines import spark_keys
 from millpond.runtime.engines.spark_keys import RANGE, step_input, step_rows
 from millpond.runtime.engines.spark_lift import lift_for
-from millpond.runtime.engines.spark_task import TaskBatch, TaskInput, queue_commits, write_tables
+from millpond.runtime.engines.spark_task import (
+    TaskBatch,
+    TaskInput,
+    current_files,
+    current_view,
+    queue_commits,
+    read_result,
+    task_result,
+    write_tables,
+)
 
 if TYPE_CHECKING:
     from millpond.runtime.context import BatchContext
@@ -69,9 +76,7 @@ def step_task(given: TaskInput, spec_json: str, clock: BatchClock, columnar: boo
     meta = {"max_event_time": last, "changed": sorted(changed), "touched": sorted(touched), "seen_replaced": False,
             "counts": {"late": sink.late.num_rows, "panes": sink.values, "retractions": sink.retractions,
                        "state_rows_read": state_read}}
-    rows = [*written, ("", json.dumps(meta))]
-    yield pa.RecordBatch.from_arrays([pa.array([r[0] for r in rows], pa.string()),
-                                      pa.array([r[1] for r in rows], pa.string())], schema=spark_io.WRITTEN)
+    yield task_result(written, meta)
 
 
 # on the client --------------------------------------------------------------------------------------------------
@@ -83,26 +88,18 @@ def step_and_write(job: BatchContext, txn: Txn, the_plan: dict[str, Any], prev: 
     elements' greatest event time (``max_event_time``, None without elements), as ``spark_batch.write_outputs``
     gives them. ``accepted``: the batch's elements; ``state``: the stored windows it can change (or None);
     ``rows``: the elements' count; ``biggest``: their values' largest magnitude (None: not known)."""
-    current = job.tables.open(job.name, "current")
-    if current is not None and tuple(current.metadata().partition_columns) != CURRENT_PARTITIONS:
-        raise NotImplementedError("the Spark engine rewrites only current views partitioned by window_end")
+    current = current_view(job)
     given = TaskInput(job.settings, job.spec.raw, clock.batch, the_plan, prev, w_in, clock.processing_time,
-                      explicit_watermark, [] if current is None else data_files(current),
-                      None if current is None else table_schema(current))
+                      explicit_watermark, *current_files(current))
     lift = lift_for(job.strategy, job.spec.value_type, clock.input_watermark, True, biggest, rows)
     combined, columns = step_input(accepted, state, job.spec.value_type, lift)
     spec_json = json.dumps(job.spec.raw, sort_keys=True, default=str)
     task = functools.partial(step_task, given, spec_json, clock, job.settings.columnar_windows)
     one = spark_keys.key_ranges(combined, 1, rows, 1)  # one task: no sample of key ranges
     got = collected(spark_io.map_arrow(one, task, spark_io.spark_schema(spark_io.WRITTEN), [*columns, RANGE]))
-    written: dict[str, list[dict[str, Any]]] = {}
-    meta: dict[str, Any] = {"max_event_time": None, "changed": [], "touched": [], "seen_replaced": False,
-                            "counts": {"late": 0, "panes": 0, "retractions": 0, "state_rows_read": 0}}
-    for r in got:
-        if r["tbl"]:
-            written.setdefault(r["tbl"], []).append(json.loads(r["action"]))
-        else:
-            meta = json.loads(r["action"])
+    written, meta, _frames = read_result(got)
+    meta = meta or {"max_event_time": None, "changed": [], "touched": [], "seen_replaced": False,  # an empty task
+                    "counts": {"late": 0, "panes": 0, "retractions": 0, "state_rows_read": 0}}
     job.commits.defer()
     queue_commits(job, txn, the_plan, written, meta, current)
     return {**meta["counts"], "max_event_time": meta["max_event_time"]}

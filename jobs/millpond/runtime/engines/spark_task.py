@@ -152,9 +152,15 @@ def run_task(given: TaskInput, batches: Iterable[pa.RecordBatch]) -> Iterator[pa
                        "duplicates": good.num_rows - accepted.num_rows, "quarantined": len(bad),
                        "late": out.late.num_rows, "panes": out.values, "retractions": out.retractions,
                        "state_rows_read": state_read}}
+    yield task_result(written, meta)
+
+
+def task_result(written: list[tuple[str, str]], meta: dict[str, Any]) -> pa.RecordBatch:
+    """A task's one result batch (``spark_io.WRITTEN``): a row per file written (table, add action) or frame chunk,
+    then one row (table "") holding ``meta``; read back by ``read_result``."""
     rows = [*written, ("", json.dumps(meta))]
-    yield pa.RecordBatch.from_arrays([pa.array([r[0] for r in rows], pa.string()),
-                                      pa.array([r[1] for r in rows], pa.string())], schema=spark_io.WRITTEN)
+    return pa.RecordBatch.from_arrays([pa.array([r[0] for r in rows], pa.string()),
+                                       pa.array([r[1] for r in rows], pa.string())], schema=spark_io.WRITTEN)
 
 
 def write_tables(job: TaskBatch, given: TaskInput, out, bad: list[tuple], accepted: pa.Table,
@@ -264,13 +270,9 @@ def run_one_task(job: BatchContext, work: BatchWork, timer: PhaseTimer
     """The batch as one Spark task, then its commits queued with the batch's others; counts, clock, max event
     time. A Connect server that stops answering meanwhile fails the batch within ``spark.timeout``."""
     txn, the_plan, processing_time = work.txn, work.plan, work.processing_time
-    current = job.tables.open(job.name, "current")
-    if current is not None and tuple(current.metadata().partition_columns) != CURRENT_PARTITIONS:
-        raise NotImplementedError("the Spark engine rewrites only current views partitioned by window_end")
+    current = current_view(job)
     given = TaskInput(job.settings, job.spec.raw, work.batch, the_plan, work.prev, work.w_in, processing_time,
-                      work.watermark,
-                      [] if current is None else data_files(current),
-                      None if current is None else table_schema(current), validate=job.validate)
+                      work.watermark, *current_files(current), validate=job.validate)
     if job.validate:  # the suites' context loads while this thread waits on the task
         from millpond.quality.context import PANDAS, warm_context
 
@@ -279,16 +281,7 @@ def run_one_task(job: BatchContext, work: BatchWork, timer: PhaseTimer
     with watched(job.spark, job.settings.spark_connect_url, job.settings.spark_timeout_s):
         rows = collected(spark_io.map_arrow(job.spark.range(0, 1, 1, 1), task,
                                             spark_io.spark_schema(spark_io.WRITTEN), ["id"]))
-    written: dict[str, list[dict[str, Any]]] = {}
-    meta: dict[str, Any] = {}
-    frames = []
-    for r in rows:
-        if r["tbl"].startswith(FRAME):
-            frames.append((r["tbl"], r["action"]))
-        elif r["tbl"]:
-            written.setdefault(r["tbl"], []).append(json.loads(r["action"]))
-        else:
-            meta = json.loads(r["action"])
+    written, meta, frames = read_result(rows)
     timer.split("spark_task", meta["phases"], tasks=1)
     clock = BatchClock(batch=work.batch, processing_time=processing_time, input_watermark=work.w_in,
                        watermark=meta["watermark"])
@@ -307,6 +300,36 @@ def run_one_task(job: BatchContext, work: BatchWork, timer: PhaseTimer
     queue_commits(job, txn, the_plan, written, meta, current)
     counts = {"files": len(the_plan["files"]), **meta["counts"]}
     return counts, clock, meta["max_event_time"]
+
+
+def current_view(job: BatchContext):
+    """The pipeline's current view (None before its first write), which a task rewrites by partition: only one
+    partitioned by ``window_end`` (``CURRENT_PARTITIONS``)."""
+    current = job.tables.open(job.name, "current")
+    if current is not None and tuple(current.metadata().partition_columns) != CURRENT_PARTITIONS:
+        raise NotImplementedError("the Spark engine rewrites only current views partitioned by window_end")
+    return current
+
+
+def current_files(current) -> tuple[list[tuple[str, dict[str, Any]]], pa.Schema | None]:
+    """``TaskInput.current`` and ``TaskInput.current_schema`` of the current view ``current`` (None: none yet)."""
+    return ([], None) if current is None else (data_files(current), table_schema(current))
+
+
+def read_result(rows: list) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any], list[tuple[str, str]]]:
+    """A task's result rows (``task_result``): each table's add actions, its ``meta`` ({} if it sent none), and
+    the chunks of the frames it returned (``frame_rows``)."""
+    written: dict[str, list[dict[str, Any]]] = {}
+    meta: dict[str, Any] = {}
+    frames = []
+    for r in rows:
+        if r["tbl"].startswith(FRAME):
+            frames.append((r["tbl"], r["action"]))
+        elif r["tbl"]:
+            written.setdefault(r["tbl"], []).append(json.loads(r["action"]))
+        else:
+            meta = json.loads(r["action"])
+    return written, meta, frames
 
 
 def _discard(job: BatchContext, written: dict[str, list[dict[str, Any]]]) -> None:
