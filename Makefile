@@ -35,11 +35,11 @@ browser: ## Debian's chromium for the Data Docs and Airflow UI tests (installed 
 	  { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } ; } || \
 	  { echo "millpond: error: chromium not found: install it (Debian: sudo apt-get install -y chromium), then run make test again"; exit 1; }
 
-postgresql: ## Debian's PostgreSQL binaries for the Airflow-on-PostgreSQL test (installed when missing and root)
+postgresql: ## Debian's PostgreSQL binaries for the suite's Airflow (installed when missing and root)
 	@compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || command -v initdb >/dev/null || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; } ; } || \
-	  echo "millpond: PostgreSQL not found: tests/test_airflow_postgres.py will skip (Debian: sudo apt-get install -y postgresql)"
+	  echo "millpond: PostgreSQL not found: the suite's Airflow runs on SQLite and tests/test_airflow_postgres.py skips (Debian: sudo apt-get install -y postgresql)"
 
 reference-envs: venv ## the Beam and Flink peers' own virtualenvs (var/), built once per pin before the suite
 	@$(PY) tests/reference/beam_env.py >/dev/null || echo "millpond: the Beam reference venv was not built: its tests say why"

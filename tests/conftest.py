@@ -27,10 +27,11 @@ MODEL_TEST_MODULES = frozenset({"test_custom_strategies", "test_computation", "t
 
 #: modules that share one worker of a parallel run (``make test``: pytest-xdist): those using the session's
 #: Airflow, which another worker would start again
-SHARED_WORKER = {"test_airflow_dagtest": "airflow", "test_airflow_ui": "airflow"}
+SHARED_WORKER = {"test_airflow_dagtest": "airflow", "test_airflow_ui": "airflow", "test_airflow_postgres": "airflow"}
 #: the longest modules, started first so that no worker is left with one of them at the end (from
 #: ``--durations``; any module not named here follows, in file order)
 LONGEST_FIRST = ("test_spark_engine", "test_airflow_dagtest", "test_airflow_ui", "test_airflow_postgres",
+                 "test_airflow_sqlite",
                  "test_differential_beam", "test_bench_smoke", "test_quality_spark", "test_operations_random",
                  "test_cores", "test_exactly_once",
                  "test_conformance_paper", "test_flink_peer", "test_bounded_waits")
@@ -143,11 +144,28 @@ def pipeline_name() -> str:
 
 
 @pytest.fixture(scope="session")
-def airflow_stack(settings: Settings, millpond_home: Path):
-    """A running Airflow (api-server, scheduler, dag-processor, triggerer) for the session; stopped after."""
+def postgres() -> Iterator[object]:
+    """The session's PostgreSQL (``tests/postgres_env.py``), or None where it cannot run (no binaries, not root)."""
+    from postgres_env import start_or_skip
+
+    server = start_or_skip()
+    try:
+        yield server
+    finally:
+        if server is not None:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def airflow_stack(settings: Settings, millpond_home: Path, postgres):
+    """A running Airflow (api-server, scheduler, dag-processor, triggerer) for the session, its metadata in the
+    session's PostgreSQL as a deployment's is (SQLite where PostgreSQL cannot run: its lock races made backfills
+    wait minutes on a loaded CI machine); stopped after. The embedded default's SQLite stack is
+    ``tests/test_airflow_sqlite.py``'s."""
     from airflow_env import start_test_stack, write_conf_dir
 
-    stack, stack_settings = start_test_stack(write_conf_dir(millpond_home / "airflow-conf"))
+    database = {} if postgres is None else {"MILLPOND_AIRFLOW_DB_URL": postgres.url()}
+    stack, stack_settings = start_test_stack(write_conf_dir(millpond_home / "airflow-conf"), **database)
     try:
         yield stack, stack_settings
     finally:

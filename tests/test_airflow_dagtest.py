@@ -7,8 +7,6 @@ A backfill of three intervals must leave the same tables as three live runs of t
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -347,48 +345,6 @@ class SeesIdleLate(Backfill):
     def redo_idle_runs(self, echo=print) -> bool:
         self.checks += 1
         return self.checks > 1 and super().redo_idle_runs(echo)
-
-
-def test_a_dead_scheduler_is_restarted(airflow_stack) -> None:
-    """Airflow's scheduler exits on some database races and expects a supervisor: the embedded stack is
-    its own (backfills and the UI test revive dead components while they wait)."""
-    stack, _ = airflow_stack
-    pid = stack.pids()["scheduler"]
-    assert pid is not None
-    os.killpg(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while stack.pids()["scheduler"] is not None and time.monotonic() < deadline:  # a zombie counts as dead
-        time.sleep(0.2)
-    assert stack.pids()["scheduler"] is None and not stack.running()
-    assert stack.revive() == ["scheduler"]
-    assert stack.running() and stack.pids()["scheduler"] != pid
-    assert stack.revive() == []  # nothing more to do
-
-
-def test_a_revive_waits_for_what_it_restarted_and_stops_only_that(airflow_stack) -> None:
-    """A revive restarts the dead components and waits for their health, not for a live one's heartbeat: a
-    triggerer that lags (here frozen until its heartbeat is stale) while the scheduler is restarted is not the
-    revive's to fix, and the stack stays up. Before, the revive waited its whole start timeout for the triggerer,
-    then stopped every component, so the tests after it found nothing listening."""
-    stack, _ = airflow_stack
-    triggerer = stack.pids()["triggerer"]
-    assert triggerer is not None
-    os.killpg(triggerer, signal.SIGSTOP)
-    try:
-        deadline = time.monotonic() + 120  # the heartbeat is stale after 30 s
-        while stack.health()["triggerer"].get("status") == "healthy" and time.monotonic() < deadline:
-            time.sleep(1.0)
-        assert stack.health()["triggerer"].get("status") != "healthy"
-        os.killpg(stack.pids()["scheduler"], signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while stack.pids()["scheduler"] is not None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        t = time.monotonic()
-        assert stack.revive() == ["scheduler"]
-        assert time.monotonic() - t < 120 and stack.running()
-    finally:
-        os.killpg(triggerer, signal.SIGCONT)
-    stack.wait_healthy(120)  # the triggerer's next heartbeat: the stack whole again for the tests after
 
 
 def test_an_upstream_batch_triggers_its_stage_through_its_asset(airflow_stack) -> None:
