@@ -182,6 +182,8 @@ class ConnectServer:
     app: str | None = None
     #: the latest job id ``last_job`` found
     last: int | None = None
+    #: the server's log (Spark's own warnings)
+    log: Path | None = None
 
     def _get(self, path: str):
         with urllib.request.urlopen(f"{self.ui_url}/api/v1/{path}", timeout=30) as resp:
@@ -241,7 +243,7 @@ def connect_server(settings: Settings, home: Path) -> Iterator[ConnectServer]:
     server = SparkConnectServer(local)
     server.start()
     try:
-        yield ConnectServer(url=local.spark_connect_url, ui_url=server.ui_url)
+        yield ConnectServer(url=local.spark_connect_url, ui_url=server.ui_url, log=server.logfile)
     finally:
         server.stop()
 

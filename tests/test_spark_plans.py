@@ -15,8 +15,6 @@ import urllib.request
 import pytest
 from engines import asked_columns, server_asks
 from millpond.lake.objectstore import ObjectStore
-from millpond.orchestration.processes import free_port
-from millpond.orchestration.spark_server import SparkConnectServer
 from session_specs import SESSIONS
 
 from bench.workload import WorkloadSpec, generate, land
@@ -87,40 +85,40 @@ def unpartitioned_windows(plan: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_a_validated_batch_never_funnels_its_rows_through_one_task(settings, tables, pipeline_name,
-                                                                     tmp_path) -> None:
+def test_a_validated_batch_never_funnels_its_rows_through_one_task(settings, tables, spark_connect,
+                                                                     pipeline_name) -> None:
+    """Two validated batches on the session's Connect server (``local[2]``), its jobs, stages and SQL plans read
+    from its UI: those after the last job before them, and the log's lines written since."""
     events = generate(WORKLOAD)
     land(ObjectStore(settings), settings.bucket_landing, f"{pipeline_name}/", WORKLOAD, events)
     doc = {"name": pipeline_name, "source": {"prefix": f"{pipeline_name}/"}, **SESSIONS, "allowed_lateness": "1h"}
     times = [WORKLOAD.start_us + (b + 1) * WORKLOAD.interval_us for b in range(WORKLOAD.batches)]
-    server_settings = settings.with_overrides(home=tmp_path, spark_connect_port=free_port(),
-                                              spark_ui_port=free_port(), spark_master="local[2]")
-    server = SparkConnectServer(server_settings)
-    server.start()
-    try:
-        proc = subprocess.run([sys.executable, "-c", CLIENT, json.dumps(doc), server_settings.spark_connect_url,
-                               json.dumps(times)], capture_output=True, text=True, timeout=900, env=dict(os.environ))
-        assert proc.returncode == 0, proc.stderr[-12000:]
-        ran = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert all(r["panes"] and r["engine"] == "spark/plan" for r in ran) and ran[-1]["retractions"], ran
-        ui = server.ui_url
-        app = _get(ui, "")[0]["id"]
-        stages = _get(ui, f"/{app}/stages")
-        executions = _get(ui, f"/{app}/sql?details=true&planDescription=true&length=10000")
-        plans = [e.get("planDescription", "") for e in executions]
-        by_job = {j: e.get("planDescription", "") for e in executions
-                  for j in e.get("successJobIds", []) + e.get("failedJobIds", []) + e.get("runningJobIds", [])}
-        plan_of = {st: by_job.get(j["jobId"], "") for j in _get(ui, f"/{app}/jobs") for st in j["stageIds"]}
-    finally:
-        server.stop()
-    assert max(s["numTasks"] for s in stages) > 1, "the batch was not several partitions wide"
+    before, logged = spark_connect.last_job(), spark_connect.log.stat().st_size
+    proc = subprocess.run([sys.executable, "-c", CLIENT, json.dumps(doc), spark_connect.url, json.dumps(times)],
+                          capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-12000:]
+    ran = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(r["panes"] and r["engine"] == "spark/plan" for r in ran) and ran[-1]["retractions"], ran
+    ui, app = spark_connect.ui_url, f"/{spark_connect._app()}"
+    jobs = [j for j in _get(ui, f"{app}/jobs") if j["jobId"] > before]
+    ours = {st for j in jobs for st in j["stageIds"]}
+    stages = [st for st in _get(ui, f"{app}/stages") if st["stageId"] in ours]
+    executions = [e for e in _get(ui, f"{app}/sql?details=true&planDescription=true&length=10000")
+                  if any(j > before for j in e.get("successJobIds", []) + e.get("failedJobIds", [])
+                         + e.get("runningJobIds", []))]
+    plans = [e.get("planDescription", "") for e in executions]
+    by_job = {j: e.get("planDescription", "") for e in executions
+              for j in e.get("successJobIds", []) + e.get("failedJobIds", []) + e.get("runningJobIds", [])}
+    plan_of = {st: by_job.get(j["jobId"], "") for j in jobs for st in j["stageIds"]}
+    assert jobs and stages and max(s["numTasks"] for s in stages) > 1, "the batch was not several partitions wide"
     assert any("Window" in p for p in plans)  # dedup and the quality checks are window functions
     assert not [w for p in plans for w in unpartitioned_windows(p)], [w for p in plans
                                                                        for w in unpartitioned_windows(p)]
     assert not funnels(stages), funnels(stages, plan_of)
     # a window behind a checkpoint is planned outside any SQL execution: Spark's own warning names it
-    log = (tmp_path / "log" / "spark-connect.log").read_text(errors="replace")
-    assert "No Partition Defined for Window operation" not in log
+    with open(spark_connect.log, errors="replace") as log:
+        log.seek(logged)
+        assert "No Partition Defined for Window operation" not in log.read()
 
 
 def test_a_file_is_read_for_its_timers_only_when_one_may_be_due() -> None:
