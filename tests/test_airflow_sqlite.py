@@ -54,8 +54,8 @@ def test_the_stack_keeps_its_metadata_in_sqlite_and_backfills(airflow_stack) -> 
 
 
 def test_a_dead_scheduler_is_restarted(airflow_stack) -> None:
-    """Airflow's scheduler exits on some database races and expects a supervisor: the embedded stack is
-    its own (backfills and the UI test revive dead components while they wait)."""
+    """Airflow's scheduler exits on some SQLite races and expects a supervisor: the embedded stack is its own
+    (a backfill revives dead components while it waits; on PostgreSQL it names them instead)."""
     stack, _ = airflow_stack
     pid = stack.pids()["scheduler"]
     assert pid is not None
