@@ -132,7 +132,7 @@ class Postgres:
 
 
 
-def start_or_skip() -> Postgres | None:
+def start_if_possible() -> Postgres | None:
     """A started server; None (run on SQLite) when the binaries are missing and this is not root, who can
     install them: then their absence fails the test that asked."""
     bin_dir = postgres_bin()
